@@ -1,0 +1,25 @@
+// vmap batching rules for the batchrules operators, in functorch's style:
+// physical tensors with their optional batch dim in, (result, bdim) out.
+#pragma once
+
+#include "batching_utils.h"
+
+#include <array>
+#include <optional>
+#include <tuple>
+
+namespace batchrules {
+
+BatchedResult linear_batch_rule(const Tensor& input, std::optional<int64_t> input_bdim,
+                                const Tensor& weight, std::optional<int64_t> weight_bdim,
+                                const std::optional<Tensor>& bias,
+                                std::optional<int64_t> bias_bdim);
+
+std::tuple<Tensor, std::optional<int64_t>, Tensor, std::optional<int64_t>, Tensor,
+           std::optional<int64_t>>
+linear_backward_batch_rule(const Tensor& self, std::optional<int64_t> self_bdim,
+                           const Tensor& grad_output, std::optional<int64_t> grad_output_bdim,
+                           const Tensor& weight, std::optional<int64_t> weight_bdim,
+                           std::array<bool, 3> output_mask);
+
+}  // namespace batchrules

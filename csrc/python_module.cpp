@@ -1,0 +1,13 @@
+// The batchrules._C extension module. Importing it registers the operators
+// (the TORCH_LIBRARY blocks of this library); it exposes only the routing
+// switch, which Python wraps in batchrules.enable()/disable().
+#include "routing.h"
+
+#include <torch/extension.h>
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("_set_routing_enabled", &batchrules::set_routing_enabled,
+        pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "Route aten::linear under torch.func transforms to batchrules::linear (process-wide).");
+  m.def("_routing_enabled", &batchrules::routing_enabled);
+}
