@@ -7,8 +7,20 @@ with explicit autograd formulas and vmap batching rules.
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers the operators)
+from ._post_import import when_imported as _when_imported
+from .decompositions import register_decompositions as _register_decompositions
 from .ops import linear, linear_backward
 from .routing import disable, enable, enabled, is_enabled
+
+
+def _register_sharding_strategies(_module: object) -> None:
+    from .distributed import register_sharding_strategies
+
+    register_sharding_strategies()
+
+
+_register_decompositions()
+_when_imported("torch.distributed.tensor", _register_sharding_strategies)
 
 __all__ = ["linear", "linear_backward", "enable", "disable", "enabled", "is_enabled"]
 
