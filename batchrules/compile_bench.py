@@ -15,7 +15,7 @@ import statistics
 import time
 import types
 import warnings
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +23,6 @@ from torch import Tensor
 
 import batchrules
 from batchrules import decompositions
-
-Params = Tuple[List[Tensor], List[Tensor]]
 
 
 def mlp(linear: Callable[..., Tensor]) -> Callable[[Tensor, List[Tensor], List[Tensor]], Tensor]:
@@ -93,8 +91,11 @@ def compiled_step(linear: Callable[..., Tensor], decompose: bool, args: tuple) -
     return step
 
 
-def run(device: str, sizes: Sequence[Tuple[int, int]], reps: int) -> List[Dict[str, object]]:
-    rows = []
+def run(device: str, sizes: Sequence[Tuple[int, int]], reps: int,
+        out: Optional[str]) -> List[Dict[str, object]]:
+    """Measure every size; after each, print its row and rewrite ``out`` (so a
+    run stopped by a timeout keeps what it measured)."""
+    rows: List[Dict[str, object]] = []
     for batch, width in sizes:
         args = make_inputs(batch, width, device)
         steps = {
@@ -113,6 +114,9 @@ def run(device: str, sizes: Sequence[Tuple[int, int]], reps: int) -> List[Dict[s
         rows.append(row)
         print(f"{batch:6d} x {width:5d}  " + "  ".join(
             f"{name}={row[name]:.3f}ms" for name in steps), flush=True)
+        if out:
+            with open(out, "w") as f:
+                json.dump({"device": device, "torch": torch.__version__, "rows": rows}, f, indent=1)
     return rows
 
 
@@ -134,10 +138,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"train step of a 3-layer MLP, median ms, device={args.device}, "
           f"torch {torch.__version__}", flush=True)
-    rows = run(args.device, sizes, reps=10 if args.quick else 15)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": args.device, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    run(args.device, sizes, reps=10 if args.quick else 15, out=args.out)
 
 
 if __name__ == "__main__":

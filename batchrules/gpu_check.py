@@ -28,7 +28,7 @@ import torch
 import batchrules
 
 # Per-step caps in seconds; each step also gets no more than what is left.
-CAPS = {"test_cuda": 120, "bench": 90, "compile_bench": 90}
+CAPS = {"test_cuda": 120, "bench": 60, "compile_bench": 100}
 
 
 def find_cuda_tests() -> Optional[Path]:
