@@ -1,6 +1,7 @@
 """CLI: ``python -m batchrules.bench [--quick|--full|--smoke] [--device cuda]
 [--only NAME] [--json PATH] [--plot PATH.png]``. See ``--help``."""
 import argparse
+import dataclasses
 import sys
 import time
 from typing import List, Optional
@@ -54,6 +55,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--only", action="append", metavar="NAME",
                    help="run the cases whose scenario/size contains NAME (repeatable)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads before running")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="timing budget per case (overrides the mode's; repeats stay within its bounds)")
     p.add_argument("--json", metavar="PATH", help="write every number and machine info as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="draw speedup bars per case (needs matplotlib)")
     p.add_argument("--list", action="store_true", help="list the cases of the mode and exit")
@@ -92,6 +95,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"note: {note}")
 
     plan = PLANS[args.mode]
+    if args.budget is not None:
+        plan = dataclasses.replace(plan, budget_s=args.budget)
     start = time.perf_counter()
     progress = Progress(len(cases) + 1)
     progress.stage("vmap floor", "timing")
