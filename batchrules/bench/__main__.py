@@ -91,6 +91,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     note = opacus_missing_reason()
     print(f"batchrules bench ({args.mode}) on {device}: torch {machine['torch']}, "
           f"{machine['torch_threads']} threads, {machine['cpu']}; load {machine['load_average_1m_5m_15m']}")
+    load = machine["load_average_1m_5m_15m"]
+    if load and load[0] > (machine["cpu_count"] or 1):
+        print(f"warning: load average {load[0]:.1f} exceeds the {machine['cpu_count']} CPUs: timings are "
+              "unreliable; multi-threaded torch stalls whenever a thread is descheduled (--threads 1 "
+              "suffers least)")
     if note and any(c.scenario.startswith("psg") for c in cases):
         print(f"note: {note}")
 

@@ -135,5 +135,5 @@ def cnn_per_sample_grads(p: Dict[str, Tensor], x: Tensor, y: Tensor) -> List[Ten
 
 def per_sample_weights_forward(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
     """Two linears with per-sample weights: [B, N, I] -> [B, N, O] as two baddbmm."""
-    h = torch.relu(torch.baddbmm(b1.unsqueeze(1), x, w1.transpose(1, 2)))
+    h = F.silu(torch.baddbmm(b1.unsqueeze(1), x, w1.transpose(1, 2)))
     return torch.baddbmm(b2.unsqueeze(1), h, w2.transpose(1, 2))

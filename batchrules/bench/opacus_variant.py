@@ -36,14 +36,17 @@ def opacus_variant(
     params: List[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
 
     def step() -> List[Tensor]:
-        for p in params:
-            p.grad_sample = None
-            p.grad = None
         with warnings.catch_warnings():
             # The hooks fire on module outputs because x needs no grad: intended.
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             loss_sum(module(x), y).backward()
-        return [p.grad_sample for p in params]
+        grads = [p.grad_sample for p in params]
+        # Release the module's references so that, as for the other variants,
+        # the caller holds the only copy of the result between steps.
+        for p in params:
+            p.grad_sample = None
+            p.grad = None
+        return grads
 
     return Variant("opacus", step)
 

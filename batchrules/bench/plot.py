@@ -18,7 +18,7 @@ def plot_speedups(results: List[CaseResult], path: str) -> Optional[str]:
     names = [r.case.name for r in results]
     variants = [v for v in BAR_VARIANTS if any(v in r.variants for r in results)]
     width = 0.8 / max(len(variants), 1)
-    fig, ax = plt.subplots(figsize=(max(8.0, 0.55 * len(names) * max(len(variants), 1)), 5.0))
+    fig, ax = plt.subplots(figsize=(max(10.0, 0.6 * len(names)), 5.5))
     for j, variant in enumerate(variants):
         speedups = []
         for r in results:

@@ -87,7 +87,8 @@ def table(results: List[CaseResult], floor: Optional[Stats]) -> str:
             n = variant_numbers(r, vr, floor_s)
             err = f"{n['max_abs_err']:.1e}" + ("" if n["correct"] else "!")
             spread = f"{100 * n['iqr_s'] / n['median_s']:.0f}%" if n["median_s"] else "-"
-            above = fmt_time(n["above_vmap_floor_s"]) if r.case.tier == "small" and name != "limit" else ""
+            vmapped = not r.case.scenario.startswith("eager") and name in ("stock", "batchrules")
+            above = fmt_time(n["above_vmap_floor_s"]) if r.case.tier == "small" and vmapped else ""
             lines.append(_row([
                 case, name, fmt_time(n["median_s"]), spread,
                 f"{n['speedup_vs_stock']:.2f}x" if n["speedup_vs_stock"] else "-",

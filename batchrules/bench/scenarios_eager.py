@@ -33,24 +33,27 @@ SIZES = (
 )
 
 
-def _case(size: EagerSize) -> Case:
+def _case(size: EagerSize, backward: bool) -> Case:
     def build(device: torch.device) -> CaseSetup:
-        x = torch.randn(size.rows, size.in_features, device=device, requires_grad=True)
+        x = torch.randn(size.rows, size.in_features, device=device)
         w = torch.randn(size.out_features, size.in_features, device=device) / size.in_features**0.5
         b = torch.randn(size.out_features, device=device)
-        w.requires_grad_()
-        b.requires_grad_()
+        inputs = [t.requires_grad_(backward) for t in (x, w, b)]
         grad_out = torch.randn(size.rows, size.out_features, device=device)
 
         def step(linear: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Callable[[], List[Tensor]]:
             def run() -> List[Tensor]:
-                out = linear(x, w, b)
-                return [out.detach(), *torch.autograd.grad(out, (x, w, b), grad_out)]
+                out = linear(*inputs)
+                if not backward:
+                    return [out]
+                return [out.detach(), *torch.autograd.grad(out, inputs, grad_out)]
             return run
 
         def reference() -> List[Tensor]:
-            x64, w64, b64 = (t.detach().cpu().double().requires_grad_() for t in (x, w, b))
+            x64, w64, b64 = (t.detach().cpu().double().requires_grad_() for t in inputs)
             out = F.linear(x64, w64, b64)
+            if not backward:
+                return [out.detach()]
             return [out.detach(), *torch.autograd.grad(out, (x64, w64, b64), grad_out.cpu().double())]
 
         return CaseSetup(
@@ -64,18 +67,19 @@ def _case(size: EagerSize) -> Case:
         )
 
     return Case(
-        scenario="eager_linear",
+        scenario="eager_linear" if backward else "eager_linear_fwd",
         size=size.name,
         tier=size.tier,
         n_linears=1,
         description=(
-            f"no transform, forward+backward, [{size.rows}, {size.in_features}] x "
-            f"[{size.out_features}, {size.in_features}] + bias"
+            f"no transform, {'forward+backward' if backward else 'forward, no grad'}, "
+            f"[{size.rows}, {size.in_features}] x [{size.out_features}, {size.in_features}] + bias"
         ),
         build=build,
     )
 
 
 def cases(mode: str) -> List[Case]:
-    """Eager F.linear vs batchrules.linear cases for a mode."""
-    return [_case(s) for s in SIZES if mode in s.modes]
+    """Eager F.linear vs batchrules.linear cases (with and without backward) for a mode."""
+    chosen = [s for s in SIZES if mode in s.modes]
+    return [_case(s, backward=True) for s in chosen] + [_case(s, backward=False) for s in chosen]

@@ -41,7 +41,7 @@ def evaluate(results: List[CaseResult], linear_floor: int) -> List[TargetCheck]:
     checks: List[Optional[TargetCheck]] = []
     for r in results:
         scenario = r.case.scenario
-        if scenario == EAGER_SCENARIO:
+        if scenario.startswith(EAGER_SCENARIO):
             checks.append(_speed_check("eager: F.linear / batchrules.linear >= 0.98", r,
                                        "stock", "batchrules", 0.98))
             checks.append(_speed_check("eager: F.linear / F.linear with routing on >= 0.98", r,
