@@ -7,20 +7,26 @@ with ``-O0 -g``; otherwise ``-O3``.
 import glob
 import os
 
+import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 
-def nlohmann_include_dir() -> str:
+def nlohmann_include_dirs() -> list:
     # torch 2.13's ATen/functorch/Interpreter.h includes <nlohmann/json.hpp>,
     # which the wheel does not ship; the PyPI package nlohmann-json does.
+    header = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "functorch",
+                          "Interpreter.h")
+    with open(header) as f:
+        if "nlohmann/json.hpp" not in f.read():
+            return []
     try:
         import nlohmann_json
     except ImportError as e:
         raise RuntimeError(
             "batchrules needs the nlohmann/json headers to build against torch's "
             "functorch headers: pip install nlohmann-json") from e
-    return os.path.join(os.path.dirname(nlohmann_json.__file__), "include")
+    return [os.path.join(os.path.dirname(nlohmann_json.__file__), "include")]
 
 
 debug = os.getenv("DEBUG", "0") == "1"
@@ -33,7 +39,7 @@ setup(
         CppExtension(
             "batchrules._C",
             sorted(glob.glob("csrc/*.cpp")),
-            include_dirs=[os.path.abspath("csrc"), nlohmann_include_dir()],
+            include_dirs=[os.path.abspath("csrc")] + nlohmann_include_dirs(),
             extra_compile_args={"cxx": cxx_flags},
             extra_link_args=["-g"] if debug else [],
         )

@@ -2,42 +2,65 @@
 
 While enabled, ``aten::linear`` called under any ``torch.func`` transform (vmap,
 grad, vjp, jvp, jacrev, jacfwd, hessian, functional_call inside them) runs
-``batchrules::linear``. Eager code outside transforms is untouched: the kernel
-lives on a dispatch key that is only active inside transforms.
+``batchrules::linear``, with its autograd formulas and batching rules. Eager
+code outside transforms is untouched and pays nothing: the kernel lives on a
+dispatch key that is only active inside transforms. Disabling restores the
+stock kernel exactly.
 
 The switch is process-wide (it changes the dispatcher's kernel table), not
-per-thread; it is safe to flip from several threads.
+per-thread. ``enable()``/``disable()`` may be called repeatedly and from
+several threads; flip it while no other thread is inside a transform, as the
+dispatcher does not guard running calls against kernel (de)registration.
+
+Setting the environment variable ``BATCHRULES_ENABLE=1`` turns routing on when
+``batchrules`` is imported.
 """
 import contextlib
+import os
 import threading
 from typing import Iterator
 
 from . import _C
 
+ENABLE_ENV_VAR = "BATCHRULES_ENABLE"
+_ENV_ON = frozenset({"1", "true", "yes", "on"})
+_ENV_OFF = frozenset({"", "0", "false", "no", "off"})
+
+# Makes the read-then-write of enabled() atomic across threads; the C++ switch
+# itself is already serialized.
 _lock = threading.Lock()
 
 
 def enable() -> None:
-    """Route ``aten::linear`` under torch.func transforms to ``batchrules::linear``."""
+    """Route ``aten::linear`` under torch.func transforms to ``batchrules::linear``.
+
+    Idempotent, silent and process-wide.
+    """
     with _lock:
         _C._set_routing_enabled(True)
 
 
 def disable() -> None:
-    """Restore stock torch.func behaviour for ``aten::linear`` exactly."""
+    """Restore the stock torch.func kernel of ``aten::linear`` exactly. Idempotent."""
     with _lock:
         _C._set_routing_enabled(False)
 
 
 def is_enabled() -> bool:
-    """Whether routing is on."""
+    """Whether routing is on (process-wide)."""
     return _C._routing_enabled()
 
 
 @contextlib.contextmanager
 def enabled(on: bool = True) -> Iterator[None]:
-    """Context manager turning routing on (or off with ``on=False``) and
-    restoring the previous state on exit, also on exceptions; nestable."""
+    """Turn routing on (or off with ``on=False``) for the ``with`` block.
+
+    The previous state is restored on exit, also when the block raises, so
+    blocks nest. The state is process-wide: blocks overlapping in several
+    threads restore in exit order, so prefer one ``enable()`` at start-up there.
+    """
+    if not isinstance(on, bool):
+        raise TypeError(f"batchrules.enabled(on) expects a bool, got {type(on).__name__}")
     with _lock:
         previous = _C._routing_enabled()
         _C._set_routing_enabled(on)
@@ -46,3 +69,17 @@ def enabled(on: bool = True) -> Iterator[None]:
     finally:
         with _lock:
             _C._set_routing_enabled(previous)
+
+
+def _enable_from_environment() -> None:
+    """Apply ``BATCHRULES_ENABLE`` at import; a value that is neither on nor off raises."""
+    value = os.environ.get(ENABLE_ENV_VAR, "").strip().lower()
+    if value in _ENV_ON:
+        enable()
+    elif value not in _ENV_OFF:
+        raise ValueError(
+            f"{ENABLE_ENV_VAR}={os.environ[ENABLE_ENV_VAR]!r} is not understood: use 1/true/yes/on "
+            f"to route aten::linear to batchrules under torch.func, or 0/false/no/off (or unset)")
+
+
+_enable_from_environment()

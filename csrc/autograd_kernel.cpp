@@ -44,9 +44,9 @@ Tensor linear_autograd(c10::DispatchKeySet ks, const Tensor& input, const Tensor
   const Tensor bias = bias_opt.has_value() ? *bias_opt : Tensor();
   const bool has_bias = bias.defined();
 
-  c10::intrusive_ptr<LinearBackward0> grad_fn;
+  NodePtr<LinearBackward0> grad_fn;
   if (torch::autograd::compute_requires_grad(input, weight, bias)) {
-    grad_fn = c10::make_intrusive<LinearBackward0>();
+    grad_fn = make_node<LinearBackward0>();
     grad_fn->set_next_edges(has_bias ? torch::autograd::collect_next_edges(input, weight, bias)
                                      : torch::autograd::collect_next_edges(input, weight));
     grad_fn->input_ = SavedVariable(input, /*is_output=*/false);
@@ -95,9 +95,9 @@ Tensor linear_autograd(c10::DispatchKeySet ks, const Tensor& input, const Tensor
 TensorTriple linear_backward_autograd(c10::DispatchKeySet ks, const Tensor& self,
                                       const Tensor& grad_output, const Tensor& weight,
                                       std::array<bool, 3> output_mask) {
-  c10::intrusive_ptr<LinearBackwardBackward0> grad_fn;
+  NodePtr<LinearBackwardBackward0> grad_fn;
   if (torch::autograd::compute_requires_grad(self, grad_output, weight)) {
-    grad_fn = c10::make_intrusive<LinearBackwardBackward0>();
+    grad_fn = make_node<LinearBackwardBackward0>();
     grad_fn->set_next_edges(torch::autograd::collect_next_edges(self, grad_output, weight));
     grad_fn->self_ = SavedVariable(self, /*is_output=*/false);
     grad_fn->grad_output_ = SavedVariable(grad_output, /*is_output=*/false);

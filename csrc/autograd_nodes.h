@@ -12,11 +12,29 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
-#include <array>
+#include <memory>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace batchrules {
+
+// torch 2.13 owns autograd nodes through c10::intrusive_ptr, older releases
+// (e.g. the 2.11 CUDA builds) through std::shared_ptr; build against either.
+constexpr bool kIntrusiveNodes =
+    std::is_base_of_v<c10::intrusive_ptr_target, torch::autograd::Node>;
+
+template <class T>
+using NodePtr = std::conditional_t<kIntrusiveNodes, c10::intrusive_ptr<T>, std::shared_ptr<T>>;
+
+template <class T>
+NodePtr<T> make_node() {
+  if constexpr (kIntrusiveNodes) {
+    return c10::make_intrusive<T>();
+  } else {
+    return std::make_shared<T>();
+  }
+}
 
 // Backward of linear(input, weight, bias): one batchrules::linear_backward
 // call asking only for the gradients the graph needs.

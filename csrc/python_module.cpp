@@ -9,5 +9,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_routing_enabled", &batchrules::set_routing_enabled,
         pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Route aten::linear under torch.func transforms to batchrules::linear (process-wide).");
-  m.def("_routing_enabled", &batchrules::routing_enabled);
+  m.def("_routing_enabled", &batchrules::routing_enabled,
+        "Whether aten::linear is routed to batchrules::linear under torch.func transforms.");
 }

@@ -5,7 +5,12 @@
 // so a kernel registered there changes nothing for eager code. Enabling
 // creates a torch::Library at run time whose kernel replaces linear_hack and
 // calls batchrules::linear; disabling destroys the library, which
-// deregisters the kernel and restores linear_hack exactly.
+// deregisters the kernel and restores linear_hack exactly (the dispatcher
+// keeps overridden kernels and reinstates the previous one).
+//
+// routing_mutex serializes enable/disable; the dispatcher serializes the
+// table update itself, but not against calls already running in other
+// threads, hence "flip it while no other thread is inside a transform".
 #include "routing.h"
 
 #include "ops.h"

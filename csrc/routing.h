@@ -3,7 +3,8 @@
 
 namespace batchrules {
 
-// Process-wide and thread-safe; idempotent.
+// Process-wide and idempotent; concurrent calls are serialized.
+// See Note [Routing aten::linear only while transforms are active].
 void set_routing_enabled(bool enabled);
 bool routing_enabled();
 

@@ -1,0 +1,10 @@
+"""Short, runnable examples of batchrules routing in the three torch.func flows.
+
+Each module runs as ``python -m batchrules.examples.<name>`` and exposes the
+functions it demonstrates, so they can be imported and reused:
+
+- ``hypernetwork``: vmap over per-sample weights produced by a hypernetwork.
+- ``ensembling``: N stacked copies of an MLP, run and trained under vmap.
+- ``per_sample_grads``: per-sample gradients and a DP-SGD step.
+- ``inspect_routing``: confirm with the profiler that routing is active.
+"""
