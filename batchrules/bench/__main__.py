@@ -45,7 +45,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     )
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                      help="named and small sizes, short timing (default; ~2 min on 2 cores)")
+                      help="named and small sizes, short timing (default; under 2 min on 2 idle cores)")
     size.add_argument("--full", dest="mode", action="store_const", const="full",
                       help="all sizes, long timing")
     size.add_argument("--smoke", dest="mode", action="store_const", const="smoke",

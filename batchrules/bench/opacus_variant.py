@@ -1,5 +1,6 @@
 """The Opacus variant of per-sample-gradient scenarios (GradSampleModule hooks)."""
 import copy
+import importlib
 import warnings
 from typing import Callable, List, Optional
 
@@ -12,7 +13,7 @@ from .case import Variant
 def opacus_missing_reason() -> Optional[str]:
     """None when Opacus can be used, else a note saying why the variant is skipped."""
     try:
-        import opacus  # noqa: F401
+        importlib.import_module("opacus")
     except ImportError as exc:
         return (
             f"opacus not importable ({exc}); the opacus rows are skipped. "
