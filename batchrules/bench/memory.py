@@ -10,6 +10,7 @@ the peak of their running sum over the step is the most memory the step held
 at once beyond what existed before it, its returned result included. Both
 measure tensor storage only (no allocator slack, no Python objects).
 """
+import gc
 from typing import Optional
 
 import torch
@@ -21,6 +22,10 @@ from .kernels import quiet_stderr
 
 def peak_extra_bytes(variant: Variant, device: torch.device) -> Optional[int]:
     """Peak bytes the step allocated beyond what was live before it."""
+    # torch.func leaves reference cycles behind; were an earlier step's cycle
+    # (and tensors it keeps alive) collected during this step, its memory
+    # would be subtracted from this step's peak.
+    gc.collect()
     with variant.context():
         if device.type == "cuda":
             torch.cuda.synchronize()
