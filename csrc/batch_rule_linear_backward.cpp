@@ -81,8 +81,16 @@ BatchedResult grad_input_rule(const Tensor& g, std::optional<int64_t> g_bdim, co
 BatchedResult grad_weight_rule(const Tensor& g, std::optional<int64_t> g_bdim, const Tensor& x,
                                std::optional<int64_t> x_bdim, const Logical& s) {
   if (g_bdim.has_value() && x_bdim.has_value()) {
+    const Tensor gt = front_3d(g, *g_bdim, s).transpose(1, 2);  // [B, O, M]
+    const Tensor xc = front_3d(x, *x_bdim, s).conj();            // [B, M, I]
+    if (s.rows == 1) {
+      // Per-sample vectors: a batch of outer products, where a K=1 bmm runs
+      // several times slower than one broadcast multiply.
+      // B,O,1 * B,1,I -> B,O,I
+      return {gt * xc, 0};
+    }
     // B,O,M x B,M,I -> B,O,I
-    return {at::bmm(front_3d(g, *g_bdim, s).transpose(1, 2), front_3d(x, *x_bdim, s).conj()), 0};
+    return {at::bmm(gt, xc), 0};
   }
   if (g_bdim.has_value()) {
     // B*O,M x M,I -> B*O,I  viewed [B, O, I]

@@ -84,9 +84,10 @@ BACKWARD_CASES = {
     # Per-sample gradients: grad_weight one bmm contracting T, grad_input one mm, grad_bias one sum.
     "per_sample_sequence": ((0, 0, None, None), (r(B, N, IN), r(B, N, OUT), r(OUT, IN)),
                             ["bmm", "mm", "sum"]),
-    # Without leading dims grad_bias is a copy of grad_output.
+    # Without leading dims grad_weight is a batch of outer products (one broadcast
+    # mul, faster than a K=1 bmm) and grad_bias a copy of grad_output.
     "per_sample_vector": ((0, 0, None, None), (r(B, IN), r(B, OUT), r(OUT, IN)),
-                          ["bmm", "copy_", "mm"]),
+                          ["copy_", "mm", "mul"]),
     "ensemble": ((0, 0, 0, None), (r(B, N, IN), r(B, N, OUT), r(B, OUT, IN)),
                  ["bmm", "bmm", "sum"]),
     # Shared input, grad_output laid out as the stacked-weight forward returns it.
