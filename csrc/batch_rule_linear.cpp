@@ -1,22 +1,31 @@
 // Batching rule for batchrules::linear.
 //
 // Note [Batch dims and GEMMs in the linear rule]
-// Shapes are written physical, B the vmap size, lead the logical leading dims
-// of the input (M their product), I/O the in/out features.
-//  - weight unbatched: the batch folds into the GEMM rows; one addmm via
-//    batchrules::linear. The input's batch dim stays where it is unless it is
-//    the last dim (or a bias with leading dims must line up with it).
-//  - weight batched, input batched: one baddbmm (bmm without bias).
-//  - weight batched, input shared: one addmm against the stacked weights
-//    [M, I] x [I, B*O], whose result is viewed as [*lead, B, O]: the batch
-//    dim is returned in the middle rather than paying a copy to move it.
-//  - a per-example bias with a shared weight: GEMM plus one broadcast add.
-// Because every branch calls dispatcher ops, nested vmap collapses level by
-// level: e.g. two levels of batched weights become one bmm of B1*B2 matrices.
+// Shapes are physical: B the vmap size, lead the logical leading dims of the
+// input (M their product), I/O the in/out features. A row bias (logical [O],
+// [1] or []) rides on the GEMM:
+//  - weight shared: the batch folds into the GEMM rows, [B*M, I] (a view
+//    unless the batch dim is the input's last dim), one addmm through
+//    batchrules::linear; the output keeps the input's batch dim position.
+//  - weight batched, input batched: one baddbmm, [B, M, I] x [B, I, O] + bias.
+//  - weight batched, input shared: one addmm through batchrules::linear
+//    against the stacked weights, [M, I] x [B*O, I]^T + [B*O], viewed as
+//    [*lead, B, O]: the batch dim is returned in the middle, not copied (an
+//    [O, B, I] weight stacks as [O*B, I] and gives [*lead, O, B]).
+// A bias the GEMM cannot take (batched while the weight is shared, or one
+// with leading dims) is added after it: GEMM + one broadcast add.
+//
+// Note [Nested vmap and fused GEMMs]
+// functorch has no batching rule for addmm/baddbmm; under an enclosing vmap
+// level it decomposes them into mm/bmm + mul + add. Branches that are a
+// linear call batchrules::linear, so the enclosing level runs this rule
+// again. The batched-batched branch cannot: when an operand is batched at an
+// enclosing level it issues bmm (whose functorch rule folds all levels into
+// one bmm) + add instead of baddbmm.
 //
 // Note [1-D weight as a one-row matrix]
 // A 1-D weight [I] is run as the [1, I] matrix with the bias given a trailing
-// 1 dim; the trailing out dim (size 1) is squeezed from the result.
+// 1 dim; the out dim (size 1) is squeezed from the result.
 #include "batch_rules.h"
 #include "ops.h"
 #include "shape_checks.h"
@@ -27,106 +36,122 @@ namespace batchrules {
 
 namespace {
 
-// Physical bias of rank 1 + out_rank with its batch dim (size B, or 1 when the
-// bias is shared) at the front, broadcastable against [B, *lead, O].
-Tensor align_bias(const Tensor& bias, std::optional<int64_t> bias_bdim, int64_t out_rank) {
+// A physical bias laid out to broadcast against an output of logical rank
+// out_rank whose batch dim is at out_bdim: padded with leading 1s, its batch
+// dim (size 1 when shared) at out_bdim.
+Tensor align_to_output(const Tensor& bias, std::optional<int64_t> bias_bdim, int64_t out_rank,
+                       int64_t out_bdim) {
   Tensor b = bias_bdim.has_value() ? move_bdim_to_front(bias, bias_bdim) : bias.unsqueeze(0);
   while (b.dim() < 1 + out_rank) {
     b = b.unsqueeze(1);
   }
-  return b;
+  return b.movedim(0, out_bdim);
 }
 
-// A row bias (logical [] or [O]) with a batch dim, as [B, 1] or [B, O].
-Tensor row_bias_batched(const Tensor& bias, int64_t bias_bdim) {
+// A batched row bias as [B, 1] or [B, O].
+Tensor batched_row_bias(const Tensor& bias, int64_t bias_bdim) {
   const Tensor b = move_bdim_to_front(bias, bias_bdim);
   return b.dim() == 1 ? b.unsqueeze(1) : b;
 }
 
-// weight: logical [O, I]; bias: logical rank <= logical rank of the output.
+// [.., B, .., I] x [O, I] + row bias -> [.., B, .., O]
+BatchedResult shared_weight_gemm(const Tensor& input, std::optional<int64_t> input_bdim,
+                                 const Tensor& weight, const std::optional<Tensor>& bias) {
+  if (!input_bdim.has_value()) {
+    return {dispatch_linear(input, weight, bias), std::nullopt};
+  }
+  // A batch dim in the last place would split the GEMM's rows from its columns.
+  const bool bdim_last = *input_bdim == input.dim() - 1;
+  const Tensor x = bdim_last ? input.movedim(-1, 0) : input;
+  // B*M,I x O,I -> B*M,O
+  const Tensor out = dispatch_linear(fold_leading_dims(x), weight, bias);
+  return {unfold_leading_dims(out, x), bdim_last ? 0 : *input_bdim};
+}
+
+// [B, *lead, I] x [B, O, I] + row bias -> [B, *lead, O]
+BatchedResult batched_gemm(const Tensor& input, int64_t input_bdim, const Tensor& weight,
+                           int64_t weight_bdim, const std::optional<Tensor>& bias,
+                           std::optional<int64_t> bias_bdim) {
+  const Tensor x = move_bdim_to_front(input, input_bdim);
+  const Tensor w = move_bdim_to_front(weight, weight_bdim);
+  const c10::SymInt batch = w.sym_size(0);
+  c10::SymDimVector out_shape(x.sym_sizes().begin(), x.sym_sizes().end() - 1);
+  const c10::SymInt rows = numel_of(c10::SymIntArrayRef(out_shape).slice(1));
+  out_shape.push_back(w.sym_size(1));
+  const Tensor x3 = x.reshape_symint({batch, rows, w.sym_size(2)});  // [B, M, I]
+  const Tensor wt = w.transpose(1, 2);                                // [B, I, O]
+  if (!bias.has_value()) {
+    // B,M,I x B,I,O -> B,M,O
+    return {at::bmm(x3, wt).view_symint(out_shape), 0};
+  }
+  // [B, 1, O|1] or a shared [O], [1], []: broadcasts against [B, M, O].
+  const Tensor b3 = bias_bdim.has_value() ? batched_row_bias(*bias, *bias_bdim).unsqueeze(1) : *bias;
+  // See Note [Nested vmap and fused GEMMs].
+  if (batched_at_outer_level(x3) || batched_at_outer_level(wt) || batched_at_outer_level(b3)) {
+    return {at::add(at::bmm(x3, wt), b3).view_symint(out_shape), 0};
+  }
+  // B,M,I x B,I,O + B,1,O -> B,M,O
+  return {at::baddbmm(b3, x3, wt).view_symint(out_shape), 0};
+}
+
+// [*lead, I] x [B, O, I] + row bias -> [*lead, B, O]
+BatchedResult stacked_weight_gemm(const Tensor& input, const Tensor& weight, int64_t weight_bdim,
+                                  const std::optional<Tensor>& bias,
+                                  std::optional<int64_t> bias_bdim) {
+  // Stack in the order the weight's layout allows without a copy:
+  // [B, O, I] -> [B*O, I], or [O, B, I] -> [O*B, I].
+  const bool batch_major = weight_bdim != 1;
+  const Tensor w = batch_major ? move_bdim_to_front(weight, weight_bdim) : weight;
+  const c10::SymInt d0 = w.sym_size(0), d1 = w.sym_size(1);
+  std::optional<Tensor> b;
+  if (bias.has_value()) {
+    // As [d0, d1], then flattened like the weight (a copy of B*O elements at most).
+    Tensor b2;
+    if (bias_bdim.has_value()) {
+      b2 = batched_row_bias(*bias, *bias_bdim);  // [B, O|1]
+      b2 = batch_major ? b2 : b2.t();
+    } else {
+      b2 = batch_major || bias->dim() == 0 ? *bias : bias->unsqueeze(-1);
+    }
+    b = b2.expand_symint({d0, d1}).reshape_symint({d0 * d1});
+  }
+  // M,I x I,B*O + B*O -> M,B*O
+  const Tensor out = dispatch_linear(fold_leading_dims(input),
+                                     w.reshape_symint({d0 * d1, w.sym_size(2)}), b);
+  c10::SymDimVector out_shape(input.sym_sizes().begin(), input.sym_sizes().end() - 1);
+  const int64_t lead_rank = static_cast<int64_t>(out_shape.size());
+  out_shape.push_back(d0);
+  out_shape.push_back(d1);
+  return {out.view_symint(out_shape), batch_major ? lead_rank : lead_rank + 1};
+}
+
+// weight: logical [O, I]; bias: logical rank <= the output's.
 BatchedResult linear_rule_2d_weight(const Tensor& input, std::optional<int64_t> input_bdim,
                                     const Tensor& weight, std::optional<int64_t> weight_bdim,
                                     const std::optional<Tensor>& bias,
                                     std::optional<int64_t> bias_bdim) {
-  const int64_t out_rank = logical_rank(input, input_bdim);
-  // A bias that broadcasts only along the out dim.
-  const bool row_bias = !bias.has_value() || logical_rank(*bias, bias_bdim) <= 1;
+  const bool fuse_bias = bias.has_value() && logical_rank(*bias, bias_bdim) <= 1 &&
+                         (!bias_bdim.has_value() || weight_bdim.has_value());
+  const std::optional<Tensor> fused = fuse_bias ? bias : std::nullopt;
+  const std::optional<int64_t> fused_bdim = fuse_bias ? bias_bdim : std::nullopt;
 
+  BatchedResult result;
   if (!weight_bdim.has_value()) {
-    if (bias_bdim.has_value()) {
-      // [B, *lead, I] x [O, I] -> [B, *lead, O], + [B, 1.., *bias]
-      const Tensor out = dispatch_linear(move_bdim_to_front(input, input_bdim), weight);
-      return {at::add(out, align_bias(*bias, bias_bdim, out_rank)), 0};
-    }
-    TORCH_INTERNAL_ASSERT(input_bdim.has_value());
-    if (*input_bdim == input.dim() - 1 || !row_bias) {
-      // [B, *lead, I] x [O, I] -> [B, *lead, O]
-      return {dispatch_linear(move_bdim_to_front(input, input_bdim), weight, bias), 0};
-    }
-    // [.., B, .., I] x [O, I] -> [.., B, .., O]
-    return {dispatch_linear(input, weight, bias), input_bdim};
-  }
-
-  const Tensor w = move_bdim_to_front(weight, weight_bdim);  // [B, O, I]
-  const c10::SymInt batch = w.sym_size(0);
-  const c10::SymInt out_features = w.sym_size(1);
-  const c10::SymInt in_features = w.sym_size(2);
-
-  if (input_bdim.has_value() || !row_bias) {
-    // A bias with leading dims against a shared input: run the input as
-    // batched (an expand, no copy).
-    const Tensor x = input_bdim.has_value()
-                         ? move_bdim_to_front(input, input_bdim)
-                         : input.unsqueeze(0).expand_symint(
-                               [&] {
-                                 c10::SymDimVector s(input.sym_sizes().begin(),
-                                                     input.sym_sizes().end());
-                                 s.insert(s.begin(), batch);
-                                 return s;
-                               }());
-    c10::SymDimVector out_shape(x.sym_sizes().begin(), x.sym_sizes().end() - 1);
-    const c10::SymInt rows = numel_of(c10::SymIntArrayRef(out_shape).slice(1));
-    out_shape.push_back(out_features);
-    const Tensor x3 = x.reshape_symint({batch, rows, in_features});  // [B, M, I]
-    const Tensor wt = w.transpose(1, 2);                               // [B, I, O]
-    if (!bias.has_value()) {
-      // B,M,I x B,I,O -> B,M,O
-      return {at::bmm(x3, wt).view_symint(out_shape), 0};
-    }
-    Tensor b3;
-    if (!row_bias) {
-      b3 = align_bias(*bias, bias_bdim, out_rank)
-               .expand_symint(out_shape)
-               .reshape_symint({bias_bdim.has_value() ? batch : c10::SymInt(1), rows, out_features});
-    } else if (bias_bdim.has_value()) {
-      b3 = row_bias_batched(*bias, *bias_bdim).unsqueeze(1);  // [B, 1, O]
-    } else {
-      b3 = *bias;  // [O] broadcasts
-    }
-    // B,M,I x B,I,O + B,M,O -> B,M,O
-    return {at::baddbmm(b3, x3, wt).view_symint(out_shape), 0};
-  }
-
-  // Shared input, batched weight, row bias: one GEMM against stacked weights.
-  c10::SymDimVector out_shape(input.sym_sizes().begin(), input.sym_sizes().end() - 1);
-  const auto lead_rank = static_cast<int64_t>(out_shape.size());
-  const c10::SymInt rows = numel_of(out_shape);
-  out_shape.push_back(batch);
-  out_shape.push_back(out_features);
-  const Tensor x2 = input.reshape_symint({rows, in_features});               // [M, I]
-  const Tensor w2 = w.reshape_symint({batch * out_features, in_features});  // [B*O, I]
-  Tensor out;
-  if (!bias.has_value()) {
-    // M,I x I,B*O -> M,B*O
-    out = at::mm(x2, w2.t());
+    result = shared_weight_gemm(input, input_bdim, weight, fused);
+  } else if (input_bdim.has_value()) {
+    result = batched_gemm(input, *input_bdim, weight, *weight_bdim, fused, fused_bdim);
   } else {
-    // [B, O] (batched) or [O] (shared) -> [B*O]
-    const Tensor b = bias_bdim.has_value() ? row_bias_batched(*bias, *bias_bdim) : *bias;
-    const Tensor b_flat = b.expand_symint({batch, out_features}).reshape_symint({batch * out_features});
-    // M,I x I,B*O + B*O -> M,B*O
-    out = at::addmm(b_flat, x2, w2.t());
+    result = stacked_weight_gemm(input, weight, *weight_bdim, fused, fused_bdim);
   }
-  return {out.view_symint(out_shape), lead_rank};
+  if (!bias.has_value() || fuse_bias) {
+    return result;
+  }
+  const auto& [out, out_bdim] = result;
+  // An unbatched GEMM output means the bias carries the batch.
+  TORCH_INTERNAL_ASSERT(out_bdim.has_value() || bias_bdim.has_value());
+  const int64_t bdim = out_bdim.value_or(0);
+  const Tensor b = align_to_output(*bias, bias_bdim, logical_rank(input, input_bdim), bdim);
+  return {at::add(out, b), bdim};
 }
 
 }  // namespace
@@ -135,16 +160,21 @@ BatchedResult linear_batch_rule(const Tensor& input, std::optional<int64_t> inpu
                                 const Tensor& weight, std::optional<int64_t> weight_bdim,
                                 const std::optional<Tensor>& bias,
                                 std::optional<int64_t> bias_bdim) {
+  constexpr const char* op = "batchrules.linear";
   const c10::SymDimVector bias_sizes =
       bias.has_value() ? logical_sizes(*bias, bias_bdim) : c10::SymDimVector();
   const c10::SymDimVector out_shape = check_linear_shapes(
       logical_sizes(input, input_bdim), logical_sizes(weight, weight_bdim),
       bias.has_value() ? std::optional<c10::SymIntArrayRef>(bias_sizes) : std::nullopt);
+  check_same_dtype_and_device(op, input, "input", weight, "weight");
+  if (bias.has_value()) {
+    check_same_dtype_and_device(op, input, "input", *bias, "bias");
+  }
 
   // F.linear lets a 1-D input's bias carry one extra leading size-1 dim;
   // drop it so the bias rank never exceeds the output rank.
   std::optional<Tensor> b = bias;
-  if (b.has_value() && static_cast<int64_t>(bias_sizes.size()) > static_cast<int64_t>(out_shape.size())) {
+  if (b.has_value() && bias_sizes.size() > out_shape.size()) {
     b = move_bdim_to_front(*b, bias_bdim).squeeze(bias_bdim.has_value() ? 1 : 0);
     bias_bdim = bias_bdim.has_value() ? std::optional<int64_t>(0) : std::nullopt;
   }
@@ -159,11 +189,10 @@ BatchedResult linear_batch_rule(const Tensor& input, std::optional<int64_t> inpu
     b = move_bdim_to_front(*b, bias_bdim).unsqueeze(-1);
     bias_bdim = bias_bdim.has_value() ? std::optional<int64_t>(0) : std::nullopt;
   }
-  auto [out, out_bdim] = linear_rule_2d_weight(
+  const auto [out, out_bdim] = linear_rule_2d_weight(
       input, input_bdim, w, weight_bdim.has_value() ? std::optional<int64_t>(0) : std::nullopt, b,
       bias_bdim);
-  // The out dim is the last physical dim in every branch.
-  return {out.squeeze(-1), out_bdim};
+  return squeeze_logical_dim(out, out_bdim, logical_rank(input, input_bdim) - 1);
 }
 
 }  // namespace batchrules

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/functorch/BatchedTensorImpl.h>
+#include <ATen/functorch/TensorWrapper.h>
 #include <c10/core/SymInt.h>
 
 #include <optional>
@@ -45,13 +47,52 @@ inline BatchedResult squeeze_logical_dim(const Tensor& t, std::optional<int64_t>
   return {move_bdim_to_front(t, bdim).squeeze(dim + 1), 0};
 }
 
-// Product of the given sizes (empty product is 1).
+// Product of the given sizes (empty product is 1). Used instead of
+// reshape(-1, ..), which is ambiguous for empty tensors.
 inline c10::SymInt numel_of(c10::SymIntArrayRef sizes) {
   c10::SymInt n = 1;
   for (const auto& s : sizes) {
     n = n * s;
   }
   return n;
+}
+
+// Physical [*dims, F] -> [prod(dims), F]: a view when the leading dims fold,
+// one copy otherwise; 2-D tensors are returned as they are.
+inline Tensor fold_leading_dims(const Tensor& t) {
+  if (t.dim() == 2) {
+    return t;
+  }
+  return t.reshape_symint({numel_of(t.sym_sizes().slice(0, t.dim() - 1)), t.sym_size(-1)});
+}
+
+// The inverse for a GEMM result: [prod(dims), F] -> [*dims, F] with `dims` the
+// leading dims of `like`.
+inline Tensor unfold_leading_dims(const Tensor& t, const Tensor& like) {
+  if (like.dim() == 2) {
+    return t;
+  }
+  c10::SymDimVector sizes(like.sym_sizes().begin(), like.sym_sizes().end() - 1);
+  sizes.push_back(t.sym_size(-1));
+  return t.view_symint(sizes);
+}
+
+// Whether `t` is still batched at an enclosing vmap level, looking through
+// grad wrappers: every op on it is then batched again by functorch, which
+// has no batching rule for the fused addmm/baddbmm and decomposes them.
+inline bool batched_at_outer_level(const Tensor& t) {
+  Tensor cur = t;
+  while (cur.defined()) {
+    if (at::functorch::isBatchedTensor(cur)) {
+      return true;
+    }
+    const auto* wrapper = at::functorch::maybeGetTensorWrapper(cur);
+    if (wrapper == nullptr) {
+      return false;
+    }
+    cur = wrapper->value();
+  }
+  return false;
 }
 
 }  // namespace batchrules

@@ -4,8 +4,9 @@
 // The forward validates shapes with our messages and then calls at::linear
 // below autograd, so eager batchrules.linear runs exactly ATen's kernels
 // (addmm for 2-D input with bias, one flattened GEMM for contiguous N-D input)
-// and costs nothing extra. The backward folds all leading dims into one GEMM
-// row dimension: grad_input and grad_weight are one mm each, grad_bias one
+// and costs nothing extra, but for the odd biases it adds itself (Note [Biases
+// at::linear rejects by layout]). The backward folds all leading dims into one
+// GEMM row dimension: grad_input and grad_weight are one mm each, grad_bias one
 // reduction. The code is SymInt-aware so FakeTensor and dynamic-shape
 // torch.compile can run it directly; no separate fake kernel is needed.
 #include "batching_utils.h"
@@ -15,22 +16,51 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 namespace batchrules {
 
 namespace {
 
-Tensor linear_kernel(const Tensor& input, const Tensor& weight,
-                     const std::optional<Tensor>& bias) {
-  constexpr const char* op = "batchrules.linear";
-  const bool has_bias = bias.has_value() && bias->defined();
-  check_linear_shapes(input.sym_sizes(), weight.sym_sizes(),
-                      has_bias ? std::optional<c10::SymIntArrayRef>(bias->sym_sizes())
-                               : std::nullopt);
-  check_same_dtype_and_device(op, input, "input", weight, "weight");
-  if (has_bias) {
-    check_same_dtype_and_device(op, input, "input", *bias, "bias");
+// Note [Biases at::linear rejects by layout]
+// at::linear sends a contiguous input with a bias that squeezes to 1-D through
+// addmm, which needs a 2-D weight and a bias of at most 2 dims; otherwise it
+// adds the bias in place, which cannot enlarge the output. So it rejects some
+// biases that broadcast, e.g. [2, 4, 3] x [3] + [1], for some layouts only.
+// We accept by shape alone (check_linear_shapes), hand at::linear the biases
+// every one of its paths takes, and add the others ourselves.
+
+// Leading size-1 dims change nothing about how a bias broadcasts to the output
+// (which check_linear_shapes ensures it does not enlarge). Dropping them also
+// drops the extra one a 1-D input's bias may have: [1, 1, O] -> [O], [1] -> [].
+Tensor without_leading_ones(const Tensor& bias, int64_t out_dim) {
+  Tensor b = bias;
+  while (b.dim() > std::min<int64_t>(out_dim, 1) && b.sym_size(0) == 1) {
+    b = b.squeeze(0);
   }
-  return at::linear(input, weight, has_bias ? bias : std::nullopt);
+  return b;
+}
+
+Tensor linear_kernel(const Tensor& input, const Tensor& weight,
+                     const std::optional<Tensor>& bias_opt) {
+  constexpr const char* op = "batchrules.linear";
+  TORCH_CHECK(input.defined() && weight.defined(), op,
+              ": expected input and weight to be tensors, but got None");
+  const bool has_bias = bias_opt.has_value() && bias_opt->defined();
+  const SymShape out_shape = check_linear_shapes(
+      input.sym_sizes(), weight.sym_sizes(),
+      has_bias ? std::optional<c10::SymIntArrayRef>(bias_opt->sym_sizes()) : std::nullopt);
+  check_same_dtype_and_device(op, input, "input", weight, "weight");
+  if (!has_bias) {
+    return at::linear(input, weight);
+  }
+  check_same_dtype_and_device(op, input, "input", *bias_opt, "bias");
+  const Tensor bias = without_leading_ones(*bias_opt, static_cast<int64_t>(out_shape.size()));
+  // See Note [Biases at::linear rejects by layout].
+  if (weight.dim() == 2 && (bias.dim() <= 1 || input.dim() == 2)) {
+    return at::linear(input, weight, bias);
+  }
+  return at::add(at::linear(input, weight), bias);
 }
 
 // gi = g @ conj(W)    gW = g^T @ conj(x)    gb = sum of g over leading dims
@@ -39,6 +69,8 @@ Tensor linear_kernel(const Tensor& input, const Tensor& weight,
 TensorTriple linear_backward_kernel(const Tensor& self, const Tensor& grad_output,
                                     const Tensor& weight, std::array<bool, 3> output_mask) {
   constexpr const char* op = "batchrules.linear_backward";
+  TORCH_CHECK(self.defined() && grad_output.defined() && weight.defined(), op,
+              ": expected self, grad_output and weight to be tensors, but got None");
   check_linear_backward_shapes(self.sym_sizes(), grad_output.sym_sizes(), weight.sym_sizes());
   check_same_dtype_and_device(op, self, "self", weight, "weight");
   check_same_dtype_and_device(op, self, "self", grad_output, "grad_output");

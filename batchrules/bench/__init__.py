@@ -1,0 +1,29 @@
+"""``python -m batchrules.bench``: batchrules against stock torch.func, Opacus and
+hand-written code, side by side, in one process.
+
+Every scenario runs the *same* user code (torch.func + ``nn.Linear`` /
+``F.linear``) with batchrules routing off ("stock") and on ("batchrules"),
+next to what an expert would write without vmap ("limit", see ``limits.py``)
+and, for per-sample gradients, Opacus' hooks ("opacus"). Every variant is
+checked against a float64 for-loop reference before it is timed (``max err``);
+variants are timed round-robin (``timing.py``) so machine noise hits all of
+them alike, and speedups are medians of per-repeat paired ratios.
+
+Usage::
+
+    python -m batchrules.bench                 # --quick: named + small sizes
+    python -m batchrules.bench --full --device cuda --json out.json --plot out.png
+    python -m batchrules.bench --only psg_mlp --threads 1 --budget 5
+    python -m batchrules.bench --list
+
+Columns: median and IQR (as % of the median) of seconds per step;
+``vs stock`` = time(stock) / time(variant); ``/limit`` = time(variant) /
+time(limit); ``k/lin`` = compute kernels per linear forward call and
+``k/step`` = per step (``kernels.py``); ``peak mem`` = peak extra bytes of
+one step (``memory.py``); ``-floor`` (small sizes) = median minus the vmap
+floor, the cost of ``vmap`` over a function returning its input.
+Targets are evaluated and printed (``targets.py``), never asserted.
+"""
+from .case import Case, CaseSetup, Variant
+
+__all__ = ["Case", "CaseSetup", "Variant"]

@@ -1,0 +1,142 @@
+"""CLI: ``python -m batchrules.bench [--quick|--full|--smoke] [--device cuda]
+[--only NAME] [--json PATH] [--plot PATH.png]``. See ``--help``."""
+import argparse
+import dataclasses
+import sys
+import time
+from typing import List, Optional
+
+import torch
+
+from . import scenarios_eager, scenarios_ensemble, scenarios_hyper, scenarios_psg
+from .case import Case
+from .kernels import eager_linear_kernels
+from .machine import machine_info
+from .opacus_variant import opacus_missing_reason
+from .plot import plot_speedups
+from .progress import Progress
+from .report import all_correct, table, targets_text, to_json
+from .runner import RTOL, CaseResult, measure_vmap_floor, run_case
+from .targets import evaluate
+from .timing import TimingPlan
+
+PLANS = {
+    # per-variant block ~block_s; repeats fill budget_s per case within bounds
+    "smoke": TimingPlan(block_s=0.002, budget_s=0.1, min_repeats=3, max_repeats=3, warmup_calls=1),
+    # the check and profiling runs already warmed every variant up
+    "quick": TimingPlan(block_s=0.01, budget_s=1.0, min_repeats=5, max_repeats=25, warmup_calls=0),
+    "full": TimingPlan(block_s=0.05, budget_s=10.0, min_repeats=15, max_repeats=200, warmup_calls=3),
+}
+
+
+def all_cases(mode: str) -> List[Case]:
+    return (
+        scenarios_ensemble.cases(mode)
+        + scenarios_psg.cases(mode)
+        + scenarios_hyper.cases(mode)
+        + scenarios_eager.cases(mode)
+    )
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m batchrules.bench",
+        description="batchrules vs stock torch.func, Opacus and hand-written code.",
+    )
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", dest="mode", action="store_const", const="quick",
+                      help="named and small sizes, short timing (default; under 2 min on 2 idle cores)")
+    size.add_argument("--full", dest="mode", action="store_const", const="full",
+                      help="all sizes, long timing")
+    size.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
+                      help="smallest sizes, minimal timing: checks the bench runs, numbers are noise")
+    p.set_defaults(mode="quick")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--only", action="append", metavar="NAME",
+                   help="run the cases whose scenario/size contains NAME (repeatable)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads before running")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="timing budget per case (overrides the mode's; repeats stay within its bounds)")
+    p.add_argument("--json", metavar="PATH", help="write every number and machine info as JSON")
+    p.add_argument("--plot", metavar="PATH.png", help="draw speedup bars per case (needs matplotlib)")
+    p.add_argument("--list", action="store_true", help="list the cases of the mode and exit")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    cases = all_cases(args.mode)
+    if args.only:
+        cases = [c for c in cases if any(o in c.name for o in args.only)]
+    if args.list:
+        for c in cases:
+            print(f"{c.name:32} {c.tier:7} {c.description}")
+        return 0
+    if not cases:
+        print(f"no case matches --only {args.only}", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            print("--device cuda: CUDA is not available in this torch build", file=sys.stderr)
+            return 2
+        # Full fp32 everywhere so every variant is checked at the same precision.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    machine = machine_info(device)
+    note = opacus_missing_reason()
+    print(f"batchrules bench ({args.mode}) on {device}: torch {machine['torch']}, "
+          f"{machine['torch_threads']} threads, {machine['cpu']}; load {machine['load_average_1m_5m_15m']}")
+    load = machine["load_average_1m_5m_15m"]
+    if load and load[0] > (machine["cpu_count"] or 1):
+        print(f"warning: load average {load[0]:.1f} exceeds the {machine['cpu_count']} CPUs: timings are "
+              "unreliable; multi-threaded torch stalls whenever a thread is descheduled (--threads 1 "
+              "suffers least)")
+    if note and any(c.scenario.startswith("psg") for c in cases):
+        print(f"note: {note}")
+
+    plan = PLANS[args.mode]
+    if args.budget is not None:
+        plan = dataclasses.replace(plan, budget_s=args.budget)
+    start = time.perf_counter()
+    progress = Progress(len(cases) + 1)
+    progress.stage("vmap floor", "timing")
+    floor = measure_vmap_floor(device, plan)
+    progress.done("vmap floor")
+    results: List[CaseResult] = []
+    for case in cases:
+        results.append(run_case(case, device, plan, lambda s, n=case.name: progress.stage(n, s)))
+        progress.done(case.name)
+    progress.close()
+
+    linear_floor = eager_linear_kernels(device)
+    checks = evaluate(results, linear_floor)
+    print(f"\nvmap floor (vmap over identity): {floor.median * 1e6:.1f}us "
+          f"(IQR {floor.iqr * 1e6:.1f}us)\n")
+    print(table(results, floor))
+    print(f"(k/lin: kernels per linear forward call; an eager F.linear with bias is {linear_floor} here)")
+    print("\nTargets (measured, not asserted):")
+    print(targets_text(checks))
+    ok = all_correct(results)
+    print(f"\n{'all variants match the float64 reference' if ok else 'SOME VARIANTS FAILED (see !/ERROR rows)'}; "
+          f"{time.perf_counter() - start:.0f}s")
+    if args.json:
+        machine["load_average_at_end"] = machine_info(device)["load_average_1m_5m_15m"]
+        machine["eager_linear_kernels"] = linear_floor
+        config = {"mode": args.mode, "device": str(device), "only": args.only, "rtol": RTOL,
+                  "timing_plan": vars(plan), "argv": sys.argv[1:] if argv is None else argv}
+        with open(args.json, "w") as f:
+            f.write(to_json(results, floor, checks, machine, config))
+        print(f"wrote {args.json}")
+    if args.plot:
+        message = plot_speedups(results, args.plot)
+        print(message or f"wrote {args.plot}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""What a benchmark case is made of: variants of one step and a reference."""
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, List, Optional
+
+import torch
+
+import batchrules
+
+# Size tiers: "small" is overhead-bound (targets are looser there).
+TIERS = ("small", "medium", "large")
+
+
+@dataclass
+class Variant:
+    """One way of computing the step.
+
+    ``fn`` runs one step and returns its result (a tensor, or a tuple/list/dict
+    of tensors) in the same order as the case's reference. ``routing`` is the
+    batchrules routing state the step runs under (None: irrelevant, left off).
+    """
+
+    name: str
+    fn: Callable[[], Any]
+    routing: Optional[bool] = None
+
+    def context(self) -> ContextManager[None]:
+        """The routing state this variant is run (and profiled) under."""
+        return batchrules.enabled(bool(self.routing))
+
+
+@dataclass
+class CaseSetup:
+    """The materialised case: its variants and a float64 reference result."""
+
+    variants: List[Variant]
+    reference: Callable[[], Any]
+    notes: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Case:
+    """A scenario at one size; ``build`` allocates its tensors lazily."""
+
+    scenario: str
+    size: str
+    tier: str
+    n_linears: int
+    description: str
+    build: Callable[[torch.device], CaseSetup]
+
+    @property
+    def name(self) -> str:
+        return f"{self.scenario}/{self.size}"

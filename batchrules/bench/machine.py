@@ -1,0 +1,58 @@
+"""What the numbers were measured on."""
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+
+import batchrules
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str:
+    """The batchrules checkout's commit, when it is a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(batchrules.__file__).parent,
+            capture_output=True, text=True, timeout=5,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine_info(device: torch.device) -> Dict[str, Any]:
+    """Versions, threads, CPU, device and load: enough to judge the numbers."""
+    info: Dict[str, Any] = {
+        "torch": torch.__version__,
+        "batchrules": batchrules.__version__,
+        "batchrules_commit": git_commit(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "load_average_1m_5m_15m": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    try:
+        import opacus
+
+        info["opacus"] = opacus.__version__
+    except ImportError:
+        info["opacus"] = None
+    return info

@@ -1,0 +1,73 @@
+"""The networks the scenarios run, and their stacked (ensemble) form."""
+import copy
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import stack_module_state
+
+ACTIVATIONS = {"relu": nn.ReLU, "silu": nn.SiLU}
+
+
+@dataclass(frozen=True)
+class MlpSpec:
+    """Layer widths (input first) and the hidden activation."""
+
+    sizes: Tuple[int, ...]
+    act: str = "relu"
+
+    @property
+    def n_linears(self) -> int:
+        return len(self.sizes) - 1
+
+    def param_keys(self, layer: int) -> Tuple[str, str]:
+        """The ``nn.Sequential`` keys of a linear layer's weight and bias."""
+        return f"{2 * layer}.weight", f"{2 * layer}.bias"
+
+
+def mlp(spec: MlpSpec) -> nn.Sequential:
+    """``Linear, act, Linear, act, ..., Linear`` with PyTorch's default init."""
+    layers: List[nn.Module] = []
+    for i, (fan_in, fan_out) in enumerate(zip(spec.sizes[:-1], spec.sizes[1:])):
+        layers.append(nn.Linear(fan_in, fan_out))
+        if i < spec.n_linears - 1:
+            layers.append(ACTIVATIONS[spec.act]())
+    return nn.Sequential(*layers)
+
+
+def small_cnn() -> nn.Sequential:
+    """MNIST-sized CNN: two 5x5 convs with pooling, then two linears (28x28 -> 10)."""
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, 10),
+    )
+
+
+def stacked_ensemble(
+    models: Sequence[nn.Module],
+) -> Tuple[Dict[str, Tensor], Dict[str, Tensor], nn.Module]:
+    """The torch.func ensembling recipe: stacked params/buffers and a meta-device base."""
+    params, buffers = stack_module_state(list(models))
+    base = copy.deepcopy(models[0]).to("meta")
+    return params, buffers, base
+
+
+def detached_params(model: nn.Module) -> Dict[str, Tensor]:
+    """The model's parameters as plain tensors, for functional_call under grad."""
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def mse(out: Tensor, target: Tensor) -> Tensor:
+    return F.mse_loss(out, target)
+
+
+def cross_entropy(out: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(out, target)
+
+
+def in_float64(model: nn.Module) -> nn.Module:
+    """A float64 copy on CPU, for references."""
+    return copy.deepcopy(model).to(device="cpu", dtype=torch.float64)

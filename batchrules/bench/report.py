@@ -1,0 +1,150 @@
+"""The results table (text) and the JSON record."""
+import json
+from dataclasses import asdict
+from typing import Any, Dict, List, Optional
+
+from .runner import CaseResult, VariantResult
+from .targets import TargetCheck
+from .timing import Stats
+
+
+def fmt_time(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    if abs(seconds) < 1e-3:
+        return f"{seconds * 1e6:.1f}us"
+    if abs(seconds) < 1.0:
+        return f"{seconds * 1e3:.2f}ms"
+    return f"{seconds:.3f}s"
+
+
+def fmt_bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
+
+
+def _median(stats: Optional[Stats]) -> Optional[float]:
+    return stats.median if stats is not None else None
+
+
+def variant_numbers(result: CaseResult, vr: VariantResult, floor: Optional[float]) -> Dict[str, Any]:
+    """Every number of one variant, as stored in the JSON record."""
+    s, k, c = vr.stats, vr.kernels, vr.check
+    median = s.median if s else None
+    return {
+        "median_s": median,
+        "q1_s": s.quantile(0.25) if s else None,
+        "q3_s": s.quantile(0.75) if s else None,
+        "iqr_s": s.iqr if s else None,
+        "times_s": s.times if s else None,
+        # paired per-repeat ratios (timing.paired_ratios), not ratios of medians
+        "speedup_vs_stock": _median(result.ratio("stock", vr.name)),
+        "ratio_to_limit": _median(result.ratio(vr.name, "limit")),
+        "above_vmap_floor_s": median - floor if median is not None and floor is not None else None,
+        "max_abs_err": c.max_abs_err if c else None,
+        "reference_scale": c.scale if c else None,
+        "correct": c.ok if c else False,
+        "check_message": c.message if c else None,
+        "error": vr.error,
+        "kernels_per_step": k.per_step if k else None,
+        "kernels_per_linear_forward": k.per_linear_forward if k else None,
+        "linear_calls": k.linear_calls if k else None,
+        "device_kernels_per_step": k.device_kernels_per_step if k else None,
+        "peak_extra_bytes": vr.peak_bytes,
+    }
+
+
+COLUMNS = (
+    ("case", 30), ("variant", 12), ("median", 10), ("IQR", 6), ("vs stock", 9), ("/limit", 7),
+    ("max err", 8), ("k/lin", 6), ("k/step", 7), ("peak mem", 9), ("-floor", 9),
+)
+
+
+def _row(cells: List[str]) -> str:
+    return " ".join(
+        c.ljust(w) if i < 2 else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS))
+    )
+
+
+def table(results: List[CaseResult], floor: Optional[Stats]) -> str:
+    """One line per variant: median, spread, ratios, error, kernels, memory.
+
+    ``-floor`` (small sizes only): median minus the vmap floor, the part of
+    the time the transform's fixed cost does not explain.
+    """
+    lines = [_row([name for name, _ in COLUMNS]), "-" * (sum(w for _, w in COLUMNS) + len(COLUMNS))]
+    floor_s = floor.median if floor else None
+    for r in results:
+        for i, (name, vr) in enumerate(r.variants.items()):
+            case = r.case.name if i == 0 else ""
+            if vr.error is not None:
+                lines.append(_row([case, name, "ERROR"]) + " " + vr.error)
+                continue
+            n = variant_numbers(r, vr, floor_s)
+            err = f"{n['max_abs_err']:.1e}" + ("" if n["correct"] else "!")
+            spread = f"{100 * n['iqr_s'] / n['median_s']:.0f}%" if n["median_s"] else "-"
+            vmapped = not r.case.scenario.startswith("eager") and name in ("stock", "batchrules")
+            above = fmt_time(n["above_vmap_floor_s"]) if r.case.tier == "small" and vmapped else ""
+            lines.append(_row([
+                case, name, fmt_time(n["median_s"]), spread,
+                f"{n['speedup_vs_stock']:.2f}x" if n["speedup_vs_stock"] else "-",
+                f"{n['ratio_to_limit']:.2f}" if n["ratio_to_limit"] else "-",
+                err,
+                f"{n['kernels_per_linear_forward']:.1f}" if n["kernels_per_linear_forward"] is not None else "-",
+                str(n["kernels_per_step"]) if n["kernels_per_step"] is not None else "-",
+                fmt_bytes(n["peak_extra_bytes"]), above,
+            ]))
+            if not n["correct"]:
+                lines.append(f"{'':43}CORRECTNESS FAILURE: {n['check_message']}")
+    return "\n".join(lines)
+
+
+def targets_text(checks: List[TargetCheck]) -> str:
+    """Targets grouped, with each miss listed."""
+    lines = []
+    for target in dict.fromkeys(c.target for c in checks):
+        group = [c for c in checks if c.target == target]
+        met = sum(c.verdict == "met" for c in group)
+        noise = sum(c.verdict == "noise" for c in group)
+        lines.append(f"{target}: {met}/{len(group)} met" + (f", {noise} within noise" if noise else ""))
+        for c in group:
+            if c.verdict != "met":
+                extra = f" ({c.detail})" if c.detail else ""
+                lines.append(f"    {c.verdict:6} {c.case:30} {c.value:.3f} vs {c.threshold:.3f}{extra}")
+    return "\n".join(lines)
+
+
+def to_json(
+    results: List[CaseResult], floor: Optional[Stats], checks: List[TargetCheck],
+    machine: Dict[str, Any], config: Dict[str, Any],
+) -> str:
+    floor_s = floor.median if floor else None
+    cases = []
+    for r in results:
+        cases.append({
+            "scenario": r.case.scenario, "size": r.case.size, "tier": r.case.tier,
+            "description": r.case.description, "n_linears": r.case.n_linears, "notes": r.notes,
+            "variants": {name: variant_numbers(r, vr, floor_s) for name, vr in r.variants.items()},
+        })
+    record = {
+        "machine": machine,
+        "config": config,
+        "vmap_floor": {"median_s": floor_s, "iqr_s": floor.iqr if floor else None,
+                       "times_s": floor.times if floor else None},
+        "cases": cases,
+        "targets": [asdict(c) for c in checks],
+        "all_correct": all_correct(results),
+    }
+    return json.dumps(record, indent=1)
+
+
+def all_correct(results: List[CaseResult]) -> bool:
+    """Every variant ran and matched the reference."""
+    return all(
+        vr.error is None and vr.check is not None and vr.check.ok
+        for r in results for vr in r.variants.values()
+    )

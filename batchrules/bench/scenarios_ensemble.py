@@ -1,0 +1,139 @@
+"""Scenarios 1 and 2: model ensembles via stack_module_state + functional_call + vmap."""
+from dataclasses import dataclass
+from typing import Dict, FrozenSet, List
+
+import torch
+from torch import Tensor
+from torch.func import functional_call, grad, vmap
+
+from . import limits
+from .case import Case, CaseSetup, Variant
+from .models import MlpSpec, in_float64, mlp, mse, stacked_ensemble
+
+ALL, NOT_SMOKE, FULL = frozenset({"smoke", "quick", "full"}), frozenset({"quick", "full"}), frozenset({"full"})
+
+
+@dataclass(frozen=True)
+class EnsembleSize:
+    name: str
+    tier: str
+    members: int
+    spec: MlpSpec
+    batch: int
+    modes: FrozenSet[str]
+
+
+SIZES = (
+    EnsembleSize("small", "small", 4, MlpSpec((16, 32, 32, 4)), 8, ALL),
+    # MBPO's dynamics ensemble: 7 members, 4 hidden layers of 200 with swish;
+    # HalfCheetah-sized in/out (obs 17 + action 6 -> mean and log-var of 18).
+    EnsembleSize("mbpo", "medium", 7, MlpSpec((23, 200, 200, 200, 200, 36), "silu"), 256, NOT_SMOKE),
+    # The torch.func model-ensembling tutorial.
+    EnsembleSize("tutorial", "medium", 10, MlpSpec((784, 128, 128, 10)), 64, NOT_SMOKE),
+    EnsembleSize("large", "large", 8, MlpSpec((128, 512, 512, 128)), 512, FULL),
+)
+
+
+def _layers(params: Dict[str, Tensor], spec: MlpSpec) -> List[limits.Layer]:
+    return [tuple(params[k] for k in spec.param_keys(i)) for i in range(spec.n_linears)]
+
+
+def _forward_case(size: EnsembleSize, shared: bool) -> Case:
+    def build(device: torch.device) -> CaseSetup:
+        models = [mlp(size.spec) for _ in range(size.members)]
+        params, buffers, base = stacked_ensemble(models)
+        params = {k: v.detach().to(device) for k, v in params.items()}
+        in_f = size.spec.sizes[0]
+        shape = (size.batch, in_f) if shared else (size.members, size.batch, in_f)
+        x = torch.randn(shape, device=device)
+
+        def member(p: Dict[str, Tensor], b: Dict[str, Tensor], xi: Tensor) -> Tensor:
+            return functional_call(base, (p, b), (xi,))
+
+        ensemble = vmap(member, in_dims=(0, 0, None if shared else 0))
+        layers = _layers(params, size.spec)
+
+        def reference() -> Tensor:
+            x64 = x.cpu().double()
+            return torch.stack(
+                [in_float64(m)(x64 if shared else x64[e]) for e, m in enumerate(models)]
+            )
+
+        def user_code() -> Tensor:
+            return ensemble(params, buffers, x)
+
+        return CaseSetup(
+            variants=[
+                Variant("stock", user_code, routing=False),
+                Variant("batchrules", user_code, routing=True),
+                Variant("limit", lambda: limits.ensemble_forward(layers, size.spec.act, x, shared)),
+            ],
+            reference=reference,
+        )
+
+    kind = "shared input" if shared else "per-model input"
+    return Case(
+        scenario="ensemble_fwd_shared" if shared else "ensemble_fwd_per_model",
+        size=size.name,
+        tier=size.tier,
+        n_linears=size.spec.n_linears,
+        description=f"{size.members} MLPs {size.spec.sizes} ({size.spec.act}), batch {size.batch}, {kind}",
+        build=build,
+    )
+
+
+def _train_case(size: EnsembleSize) -> Case:
+    def build(device: torch.device) -> CaseSetup:
+        models = [mlp(size.spec) for _ in range(size.members)]
+        params, buffers, base = stacked_ensemble(models)
+        params = {k: v.detach().to(device) for k, v in params.items()}
+        x = torch.randn(size.members, size.batch, size.spec.sizes[0], device=device)
+        y = torch.randn(size.members, size.batch, size.spec.sizes[-1], device=device)
+
+        def member_loss(p: Dict[str, Tensor], b: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+            return mse(functional_call(base, (p, b), (xi,)), yi)
+
+        ensemble_grads = vmap(grad(member_loss), in_dims=(0, 0, 0, 0))
+        layers = _layers(params, size.spec)
+
+        def reference() -> List[Tensor]:
+            per_member = []
+            for e, m in enumerate(models):
+                m64 = in_float64(m)
+                loss = mse(m64(x[e].cpu().double()), y[e].cpu().double())
+                per_member.append(torch.autograd.grad(loss, list(m64.parameters())))
+            return [torch.stack(g) for g in zip(*per_member)]
+
+        def user_code() -> Dict[str, Tensor]:
+            return ensemble_grads(params, buffers, x, y)
+
+        return CaseSetup(
+            variants=[
+                Variant("stock", user_code, routing=False),
+                Variant("batchrules", user_code, routing=True),
+                Variant("limit", lambda: limits.ensemble_mse_grads(layers, size.spec.act, x, y)),
+            ],
+            reference=reference,
+        )
+
+    return Case(
+        scenario="ensemble_train",
+        size=size.name,
+        tier=size.tier,
+        n_linears=size.spec.n_linears,
+        description=(
+            f"vmap(grad(mse)) over {size.members} MLPs {size.spec.sizes} ({size.spec.act}), "
+            f"per-model batch {size.batch}"
+        ),
+        build=build,
+    )
+
+
+def cases(mode: str) -> List[Case]:
+    """Ensemble forward (shared / per-model input) and training-step cases for a mode."""
+    chosen = [s for s in SIZES if mode in s.modes]
+    return (
+        [_forward_case(s, shared=True) for s in chosen]
+        + [_forward_case(s, shared=False) for s in chosen]
+        + [_train_case(s) for s in chosen]
+    )

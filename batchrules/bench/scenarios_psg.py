@@ -1,0 +1,87 @@
+"""Scenario 3: per-sample gradients, vmap(grad(loss), in_dims=(None, 0, 0))."""
+from typing import Callable, Dict, List
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from . import limits
+from .case import Case, CaseSetup, Variant
+from .models import MlpSpec, cross_entropy, detached_params, in_float64, mlp, small_cnn
+from .opacus_variant import cross_entropy_sum, opacus_variant
+
+MLP_SPEC = MlpSpec((784, 512, 512, 10))
+# (batch, tier, modes)
+MLP_BATCHES = ((8, "small", {"smoke", "quick", "full"}), (32, "medium", {"quick", "full"}),
+               (128, "large", {"quick", "full"}))
+CNN_BATCHES = ((8, "small", {"smoke", "quick", "full"}), (32, "medium", {"quick", "full"}),
+               (128, "large", {"full"}))
+
+
+def per_sample_loop(model: nn.Module, x: Tensor, y: Tensor) -> List[Tensor]:
+    """float64 reference: one backward per sample, stacked per parameter."""
+    m64 = in_float64(model)
+    x64, y = x.cpu().double(), y.cpu()
+    grads = []
+    for i in range(x.shape[0]):
+        loss = cross_entropy(m64(x64[i : i + 1]), y[i : i + 1])
+        grads.append(torch.autograd.grad(loss, list(m64.parameters())))
+    return [torch.stack(g) for g in zip(*grads)]
+
+
+def _psg_setup(
+    model: nn.Module, x: Tensor, y: Tensor, limit: Callable[[Dict[str, Tensor]], List[Tensor]]
+) -> CaseSetup:
+    params = detached_params(model)
+
+    def sample_loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        return cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
+
+    def user_code() -> Dict[str, Tensor]:
+        return per_sample_grads(params, x, y)
+
+    variants = [
+        Variant("stock", user_code, routing=False),
+        Variant("batchrules", user_code, routing=True),
+        Variant("limit", lambda: limit(params)),
+    ]
+    opacus = opacus_variant(model, x, y, cross_entropy_sum)
+    if opacus is not None:
+        variants.append(opacus)
+    return CaseSetup(variants, reference=lambda: per_sample_loop(model, x, y))
+
+
+def _mlp_case(batch: int, tier: str) -> Case:
+    def build(device: torch.device) -> CaseSetup:
+        model = mlp(MLP_SPEC).to(device)
+        x = torch.randn(batch, MLP_SPEC.sizes[0], device=device)
+        y = torch.randint(0, MLP_SPEC.sizes[-1], (batch,), device=device)
+
+        def limit(p: Dict[str, Tensor]) -> List[Tensor]:
+            layers = [tuple(p[k] for k in MLP_SPEC.param_keys(i)) for i in range(MLP_SPEC.n_linears)]
+            return limits.mlp_per_sample_grads(layers, MLP_SPEC.act, x, y)
+
+        return _psg_setup(model, x, y, limit)
+
+    return Case("psg_mlp", f"b{batch}", tier, MLP_SPEC.n_linears,
+                f"per-sample grads, MLP {MLP_SPEC.sizes}, cross-entropy, batch {batch}", build)
+
+
+def _cnn_case(batch: int, tier: str) -> Case:
+    def build(device: torch.device) -> CaseSetup:
+        model = small_cnn().to(device)
+        x = torch.randn(batch, 1, 28, 28, device=device)
+        y = torch.randint(0, 10, (batch,), device=device)
+        return _psg_setup(model, x, y, lambda p: limits.cnn_per_sample_grads(p, x, y))
+
+    return Case("psg_cnn", f"b{batch}", tier, 2,
+                f"per-sample grads, CNN conv5x16-conv5x32-fc64-fc10 on 28x28, batch {batch}", build)
+
+
+def cases(mode: str) -> List[Case]:
+    """Per-sample-gradient cases (MLP, CNN) for a mode."""
+    return [_mlp_case(b, t) for b, t, m in MLP_BATCHES if mode in m] + [
+        _cnn_case(b, t) for b, t, m in CNN_BATCHES if mode in m
+    ]

@@ -1,0 +1,69 @@
+"""The project's performance targets, evaluated on measured results.
+
+Targets are measured here, never asserted in tests. Speed targets use the
+median of paired per-repeat ratios; a miss whose threshold still lies within
+the ratios' interquartile range is reported as "noise" rather than missed.
+"""
+from dataclasses import dataclass
+from typing import List, Optional
+
+from .runner import CaseResult
+
+EAGER_SCENARIO = "eager_linear"
+PSG_SCENARIOS = ("psg_mlp", "psg_cnn")
+
+
+@dataclass
+class TargetCheck:
+    target: str
+    case: str
+    value: float
+    threshold: float
+    verdict: str  # "met" | "missed" | "noise"
+    detail: str = ""
+
+
+def _speed_check(
+    target: str, result: CaseResult, slow: str, fast: str, threshold: float, detail: str = ""
+) -> Optional[TargetCheck]:
+    """Median of paired ``time(slow) / time(fast)`` >= threshold."""
+    ratios = result.ratio(slow, fast)
+    if ratios is None:
+        return None
+    value = ratios.median
+    verdict = "met" if value >= threshold else ("noise" if ratios.quantile(0.75) >= threshold else "missed")
+    return TargetCheck(target, result.case.name, value, threshold, verdict, detail)
+
+
+def evaluate(results: List[CaseResult], linear_floor: int) -> List[TargetCheck]:
+    """Every target that applies to every case. ``linear_floor``: kernels of
+    one eager F.linear with bias on this device (2 on CPU: copy_ + addmm)."""
+    checks: List[Optional[TargetCheck]] = []
+    for r in results:
+        scenario = r.case.scenario
+        if scenario.startswith(EAGER_SCENARIO):
+            checks.append(_speed_check("eager: F.linear / batchrules.linear >= 0.98", r,
+                                       "stock", "batchrules", 0.98))
+            checks.append(_speed_check("eager: F.linear / F.linear with routing on >= 0.98", r,
+                                       "stock", "stock_routed", 0.98))
+            continue
+        checks.append(_speed_check("not slower than stock (stock / batchrules >= 1)", r,
+                                   "stock", "batchrules", 1.0))
+        bound = 2.0 if r.case.tier == "small" else 1.1
+        limit_check = _speed_check(f"within {bound:g}x of the limit (limit / batchrules >= {1 / bound:.2f})",
+                                   r, "limit", "batchrules", 1.0 / bound)
+        checks.append(limit_check)
+        if scenario in PSG_SCENARIOS:
+            checks.append(_speed_check("faster than Opacus (opacus / batchrules > 1)", r,
+                                       "opacus", "batchrules", 1.0))
+        br, stock = r.variants.get("batchrules"), r.variants.get("stock")
+        if br is not None and br.kernels is not None and br.kernels.per_linear_forward is not None:
+            per_linear = br.kernels.per_linear_forward
+            stock_per_linear = stock.kernels.per_linear_forward if stock and stock.kernels else None
+            checks.append(TargetCheck(
+                f"kernels per vmapped linear forward <= eager F.linear's ({linear_floor})",
+                r.case.name, per_linear, float(linear_floor),
+                "met" if per_linear <= linear_floor else "missed",
+                f"stock: {stock_per_linear:.1f}" if stock_per_linear is not None else "",
+            ))
+    return [c for c in checks if c is not None]

@@ -1,0 +1,117 @@
+"""Interleaved wall-clock timing: round-robin over variants, one block each.
+
+Note [Why interleave]
+On a shared machine the load drifts over seconds. Timing variant A for a
+while and then variant B charges the drift to whichever ran during the busy
+spell. Here every repeat times one block of each variant back to back (the
+order rotates per repeat), so drift hits all variants alike, and the median
+over repeats discards the spells where a neighbour stole the cores.
+"""
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Sequence
+
+import torch
+
+from .case import Variant
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """What to call before reading the clock so queued device work is counted."""
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+@dataclass
+class Stats:
+    """Per-call seconds of every repeat, with robust summaries."""
+
+    times: List[float]
+
+    def quantile(self, q: float) -> float:
+        ordered = sorted(self.times)
+        pos = q * (len(ordered) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def iqr(self) -> float:
+        return self.quantile(0.75) - self.quantile(0.25)
+
+
+def time_block(variant: Variant, calls: int, sync: Callable[[], None]) -> float:
+    """Seconds per call over ``calls`` back-to-back calls of the variant."""
+    with variant.context():
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            variant.fn()
+        sync()
+        return (time.perf_counter() - start) / calls
+
+
+@dataclass
+class TimingPlan:
+    """How long to time: blocks of ~block_s each, repeats within budget_s."""
+
+    block_s: float
+    budget_s: float
+    min_repeats: int
+    max_repeats: int
+    warmup_calls: int = 2
+
+
+def time_interleaved(
+    variants: Sequence[Variant],
+    plan: TimingPlan,
+    sync: Callable[[], None],
+    on_repeat: Callable[[int, int], None] = lambda done, total: None,
+) -> Dict[str, Stats]:
+    """Times every variant round-robin (see Note [Why interleave]).
+
+    Each variant is warmed up, then a single call sizes its block; the number
+    of repeats fits all blocks into ``plan.budget_s`` within the plan's bounds.
+    """
+    calls: Dict[str, int] = {}
+    round_s = 0.0
+    for v in variants:
+        for _ in range(plan.warmup_calls):
+            time_block(v, 1, sync)
+        one = max(time_block(v, 1, sync), 1e-9)
+        calls[v.name] = max(1, int(plan.block_s / one))
+        round_s += calls[v.name] * one
+    repeats = int(min(plan.max_repeats, max(plan.min_repeats, plan.budget_s / max(round_s, 1e-9))))
+
+    times: Dict[str, List[float]] = {v.name: [] for v in variants}
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(repeats):
+            shift = r % len(variants)
+            for v in list(variants[shift:]) + list(variants[:shift]):
+                times[v.name].append(time_block(v, calls[v.name], sync))
+            on_repeat(r + 1, repeats)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return {name: Stats(t) for name, t in times.items()}
+
+
+
+def paired_ratios(numerator: Stats, denominator: Stats) -> Stats:
+    """Per-repeat ratios of two variants timed in the same rounds.
+
+    Blocks of one repeat ran back to back, so their ratio cancels the load
+    drift between repeats; the median of these ratios is the speedup
+    estimate, their IQR its uncertainty.
+    """
+    return Stats([n / d for n, d in zip(numerator.times, denominator.times)])

@@ -1,0 +1,110 @@
+"""torch.library.opcheck for both operators: schema, autograd registration,
+FakeTensor (meta kernel == real kernel) and AOTAutograd with dynamic shapes,
+with and without requires_grad.
+
+Note [opcheck budget]
+test_schema, test_autograd_registration and test_faketensor cost milliseconds
+and run on every sample, dtype and output_mask. test_aot_dispatch_dynamic
+compiles a graph per call (~0.1-0.2 s), so it runs with requires_grad (which
+checks the forward outputs too) on every float32 sample and on the first
+sample of each kind for the other dtypes; linear_backward's output_masks
+rotate over those samples, so every mask and every kind is compiled.
+"""
+import itertools
+from typing import List, Sequence
+
+import pytest
+import torch
+from torch.testing._internal.optests.aot_autograd import aot_autograd_check
+
+from conftest import available_devices
+from linear_samples import (ALL_DTYPES, LinearSample, first_of_each_kind, linear_samples,
+                            random_grad_output)
+
+CHEAP_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor")
+AOT_UTIL = "test_aot_dispatch_dynamic"
+FULL_MASK = [True, True, True]
+MASKS = [list(m) for m in itertools.product([False, True], repeat=3)]
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+linear_op = torch.ops.batchrules.linear.default
+linear_backward_op = torch.ops.batchrules.linear_backward.default
+
+
+def assert_opcheck(op, args: tuple, utils: Sequence[str], what: str) -> None:
+    results = torch.library.opcheck(op, args, test_utils=tuple(utils), raise_exception=False)
+    assert set(results) == set(utils), results
+    failed = {k: v for k, v in results.items() if v != "SUCCESS"}
+    assert not failed, f"{what}: {failed}"
+
+
+def aot_samples(device: str, dtype: torch.dtype) -> List[LinearSample]:
+    samples = linear_samples(device, dtype, requires_grad=True)
+    return samples if dtype == torch.float32 else first_of_each_kind(samples)
+
+
+def linear_backward_args(sample: LinearSample, mask: Sequence[bool], requires_grad: bool):
+    g = random_grad_output(sample).requires_grad_(requires_grad)
+    return (sample.input, g, sample.weight, list(mask))
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no_grad", "requires_grad"])
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("device", available_devices())
+def test_opcheck_linear_cheap_utils(device: str, dtype: torch.dtype,
+                                    requires_grad: bool) -> None:
+    for sample in linear_samples(device, dtype, requires_grad=requires_grad):
+        assert_opcheck(linear_op, sample.args, CHEAP_UTILS, repr(sample))
+        if sample.bias is None:  # the optional bias left out rather than None
+            assert_opcheck(linear_op, sample.args[:2], CHEAP_UTILS, repr(sample))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("device", available_devices())
+def test_opcheck_linear_aot_dispatch(device: str, dtype: torch.dtype) -> None:
+    for sample in aot_samples(device, dtype):
+        assert_opcheck(linear_op, sample.args, [AOT_UTIL], repr(sample))
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no_grad", "requires_grad"])
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("device", available_devices())
+def test_opcheck_linear_backward_cheap_utils(device: str, dtype: torch.dtype,
+                                             requires_grad: bool) -> None:
+    """Every mask in float32 / complex64, the full mask in the other dtypes."""
+    masks = MASKS if dtype in (torch.float32, torch.complex64) else [FULL_MASK]
+    for sample in linear_samples(device, dtype, requires_grad=requires_grad):
+        for mask in masks:
+            assert_opcheck(linear_backward_op, linear_backward_args(sample, mask, requires_grad),
+                           CHEAP_UTILS, f"{sample!r}, mask {mask}")
+
+
+def _assert_close_low_precision(actual, expected, msg=None) -> None:
+    # Eager backward gets expanded (stride-0) incoming grads, the compiled one
+    # dense ones: CPU half GEMMs then round differently, by an ulp or two.
+    torch.testing.assert_close(actual, expected, atol=2e-2, rtol=1e-2, msg=msg)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("device", available_devices())
+def test_opcheck_linear_backward_aot_dispatch(device: str, dtype: torch.dtype) -> None:
+    samples = aot_samples(device, dtype)
+    cases = [(s, FULL_MASK) for s in samples]
+    cases += [(s, MASKS[i % len(MASKS)]) for i, s in enumerate(first_of_each_kind(samples))]
+    for sample, mask in cases:
+        args = linear_backward_args(sample, mask, requires_grad=True)
+        if dtype in LOW_PRECISION and any(mask):
+            # opcheck compares with the default (tight) half tolerances.
+            aot_autograd_check(linear_backward_op, args, {}, dynamic=True,
+                               assert_equals_fn=_assert_close_low_precision)
+        else:
+            assert_opcheck(linear_backward_op, args, [AOT_UTIL], f"{sample!r}, mask {mask}")
+
+
+def test_opcheck_meta_inputs() -> None:
+    """Meta inputs run the same kernels (FakeTensor conversion of meta tensors)."""
+    utils = CHEAP_UTILS + (AOT_UTIL,)
+    for sample in first_of_each_kind(linear_samples("meta", torch.float32, requires_grad=True)):
+        assert_opcheck(linear_op, sample.args, utils, repr(sample))
+        args = linear_backward_args(sample, FULL_MASK, requires_grad=True)
+        assert_opcheck(linear_backward_op, args, utils, repr(sample))
