@@ -7,9 +7,10 @@ What remains is the choice of what the backend receives:
 
 * extern kernel: ``batchrules::linear`` / ``linear_backward`` stay opaque calls
   in the graph (what happens with no registration at all);
-* decomposition: below autograd the ops become the aten ops they are made of
-  (``aten.linear`` -> ``addmm``/``mm``; the backward -> two ``mm`` + ``sum``),
-  so Inductor sees plain GEMMs it can fuse around and pick templates for.
+* decomposition: below autograd the ops become the aten ops their kernels
+  call (``aten.linear`` -> ``addmm``/``mm``; the backward -> two ``mm`` +
+  ``sum``), so Inductor sees plain GEMMs it can fuse around and pick
+  templates for.
 
 We decompose. ``python -m batchrules.compile_bench`` times a training step
 (fwd + bwd) of a 3-layer ReLU MLP, batch x width, each variant really compiled
@@ -37,63 +38,30 @@ autograd wrappers cost ~50 us per step.)
 Note [Decomposing under FunctionalTensorMode]
 The decomposition is a ``torch.library.register_torch_dispatch`` rule for
 ``FunctionalTensorMode``, the mode AOTAutograd traces under (the mechanism
-``torch.library.triton_op`` uses). Unlike an entry in Inductor's decomposition
-table it needs no import of ``torch._inductor`` (about 1 s) when batchrules is
-imported, it is in place before any compilation, and every AOTAutograd backend
-(``aot_eager`` included) sees the same graph. Eager code, FakeTensor and Dynamo
-still run the C++ kernels, so shape errors keep their messages.
+``torch.library.triton_op`` uses). The rule runs the op's own
+CompositeExplicitAutograd C++ kernel with the mode active, so the aten ops that
+kernel calls are what gets traced: the decomposition is the eager kernel by
+construction (every bias quirk and shape check included), with nothing
+written twice. Unlike an entry in Inductor's decomposition table it needs no
+import of ``torch._inductor`` (about 1 s) when batchrules is imported, it is in
+place before any compilation, and every AOTAutograd backend (``aot_eager``
+included) sees the same graph. Eager code, FakeTensor and Dynamo still call
+the op itself.
 Consequences: ``torch.export.export`` keeps ``batchrules.linear`` in its
 (pre-dispatch) graph and ``ExportedProgram.run_decompositions()`` lowers it to
 ``addmm``. Compile caches are keyed on the Dynamo graph, which does not show
-the decomposition: a changed decomposition (a batchrules upgrade) is only seen
-after clearing Inductor's cache directory.
+the decomposition: changed kernels (a batchrules upgrade) are only seen in
+compiled code after clearing Inductor's cache directory.
 """
-import math
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch._C import DispatchKey
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-
-def linear_decomposition(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """``batchrules::linear`` in aten ops: ``aten.linear``, which Inductor lowers
-    to ``addmm``/``mm`` exactly as it does for ``F.linear``."""
-    return torch.ops.aten.linear.default(input, weight, bias)
-
-
-def linear_backward_decomposition(
-    self: Tensor, grad_output: Tensor, weight: Tensor, output_mask: List[bool]
-) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """``batchrules::linear_backward`` in aten ops, mirroring the C++ kernel:
-    leading dims folded into one GEMM row dim, masked outputs ``None``."""
-    # Not reshape(-1, ...): that is ambiguous for empty tensors.
-    rows = math.prod(self.shape[:-1])
-    weight_1d = weight.dim() == 1
-    out_features = 1 if weight_1d else weight.shape[0]
-    g2 = grad_output.reshape(rows, out_features)
-    w2 = weight.unsqueeze(0) if weight_1d else weight
-    grad_input = grad_weight = grad_bias = None
-    if output_mask[0]:
-        # [M, O] x [O, I] -> [M, I]
-        grad_input = torch.mm(g2, w2.conj()).view(self.shape)
-    if output_mask[1]:
-        # [O, M] x [M, I] -> [O, I]
-        x2 = self.reshape(rows, weight.shape[-1])
-        grad_weight = torch.mm(g2.t(), x2.conj()).view(weight.shape)
-    if output_mask[2]:
-        # [M, O] -> [O]   (a 1-D weight has no out dim: -> [])
-        grad_bias = g2.sum(0)
-        if weight_1d:
-            grad_bias = grad_bias.squeeze(0)
-    return grad_input, grad_weight, grad_bias
-
-
-DECOMPOSITIONS: Dict[str, Callable[..., Any]] = {
-    "batchrules::linear": linear_decomposition,
-    "batchrules::linear_backward": linear_backward_decomposition,
-}
+OPS = ("batchrules::linear", "batchrules::linear_backward")
 
 
 def _plain(types: Tuple[type, ...]) -> bool:
@@ -102,15 +70,13 @@ def _plain(types: Tuple[type, ...]) -> bool:
     return all(t in (Tensor, FunctionalTensor) or issubclass(t, FakeTensor) for t in types)
 
 
-def _make_rule(decomposition: Callable[..., Any]) -> Callable[..., Any]:
-    def rule(mode: FunctionalTensorMode, func: Any, types: Tuple[type, ...], args: tuple,
-             kwargs: dict) -> Any:
-        if not _plain(types):
-            return NotImplemented
-        with mode:
-            return decomposition(*args, **kwargs)
-
-    return rule
+def _trace_kernel(mode: FunctionalTensorMode, func: Any, types: Tuple[type, ...], args: tuple,
+                  kwargs: dict) -> Any:
+    """See Note [Decomposing under FunctionalTensorMode]."""
+    if not _plain(types):
+        return NotImplemented
+    with mode:
+        return func._op_dk(DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
 
 
 _library: Optional[torch.library.Library] = None
@@ -123,9 +89,9 @@ def register_decompositions() -> None:
     if _library is not None:
         return
     library = torch.library.Library("batchrules", "FRAGMENT")
-    for qualname, decomposition in DECOMPOSITIONS.items():
-        torch.library.register_torch_dispatch(
-            qualname, FunctionalTensorMode, _make_rule(decomposition), lib=library)
+    for qualname in OPS:
+        torch.library.register_torch_dispatch(qualname, FunctionalTensorMode, _trace_kernel,
+                                              lib=library)
     _library = library
 
 

@@ -5,7 +5,8 @@ Builds nothing. Runs, each under its share of a wall-clock budget (default
 
 1. ``pytest tests/test_cuda.py`` (values, gradcheck, vmap, per-sample grads,
    torch.compile on CUDA);
-2. ``python -m batchrules.bench --device cuda --quick`` when that module exists;
+2. ``python -m batchrules.bench --device cuda --quick`` when that module exists
+   (numbers also in ``bench.json``);
 3. ``python -m batchrules.compile_bench --device cuda --quick`` (extern vs
    decomposed ops under Inductor/Triton).
 
@@ -28,7 +29,7 @@ import torch
 import batchrules
 
 # Per-step caps in seconds; each step also gets no more than what is left.
-CAPS = {"test_cuda": 120, "bench": 60, "compile_bench": 100}
+CAPS = {"test_cuda": 100, "bench": 100, "compile_bench": 80}
 
 
 def find_cuda_tests() -> Optional[Path]:
@@ -109,7 +110,8 @@ def main() -> int:
                 steps["test_cuda"]["rc"] = "skipped tests"
         if importlib.util.find_spec("batchrules.bench") is not None:
             steps["bench"] = run_step(
-                "bench", [sys.executable, "-m", "batchrules.bench", "--device", "cuda", "--quick"],
+                "bench", [sys.executable, "-m", "batchrules.bench", "--device", "cuda", "--quick",
+                          "--json", str(args.out_dir / "bench.json")],
                 args.out_dir, remaining("bench"))
         else:
             steps["bench"] = {"rc": "skipped", "error": "batchrules.bench is not installed"}
