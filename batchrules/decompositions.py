@@ -14,26 +14,25 @@ What remains is the choice of what the backend receives:
 
 We decompose. ``python -m batchrules.compile_bench`` times a training step
 (fwd + bwd) of a 3-layer ReLU MLP, batch x width, each variant really compiled
-(caches off). CPU, 1 thread, best of 3 runs of the median of 10 steps, on a
-shared 2-core machine (the two large sizes are GEMM-bound and their
-differences are within the machine's noise):
+(caches off); CPU, 1 thread, best of 3 medians of 15 steps, on a 2-core
+machine (noise about 3% at the GEMM-bound large sizes):
 
     ===========  ========  ========  ==========  ==========
     size         eager     extern    decomposed  F.linear
     ===========  ========  ========  ==========  ==========
-    16 x 64      0.079 ms  0.147 ms  0.131 ms    0.130 ms
-    64 x 256     0.721 ms  0.775 ms  0.753 ms    0.753 ms
-    256 x 512    11.2 ms   10.7 ms   10.4 ms     11.0 ms
-    512 x 1024   86 ms     81 ms     84 ms       81 ms
+    16 x 64      0.078 ms  0.141 ms  0.124 ms    0.124 ms
+    64 x 256     0.723 ms  0.785 ms  0.759 ms    0.759 ms
+    256 x 512    10.56 ms  10.58 ms  10.68 ms    10.48 ms
+    512 x 1024   84.3 ms   83.0 ms   79.7 ms     79.9 ms
     ===========  ========  ========  ==========  ==========
 
-Decomposed matches compiled ``F.linear`` and beats extern where launches and
-memory passes count (-11% at 16 x 64): the backward's bias-gradient sums fuse
-into the preceding pointwise kernels (9 instead of 11 kernels for the 3-layer
-backward). The graph is the one Inductor gets for ``F.linear``, so GPU GEMM
-templates (max-autotune), epilogue fusion and pattern passes apply unchanged;
-an extern call is a fusion barrier. (Eager wins at tiny sizes: compiled
-autograd wrappers cost ~50 us per step.)
+Decomposed is as fast as compiled ``F.linear`` and beats extern where
+launches and memory passes count (-12% at 16 x 64, -3% at 64 x 256): the
+backward's bias-gradient sums fuse into the preceding pointwise kernels (9
+instead of 11 kernels for the 3-layer backward). The graph is the one Inductor
+gets for ``F.linear``, so GPU GEMM templates (max-autotune), epilogue fusion
+and pattern passes apply unchanged; an extern call is a fusion barrier.
+(Eager wins at tiny sizes: the compiled autograd wrapper costs ~50 us a step.)
 
 Note [Decomposing under FunctionalTensorMode]
 The decomposition is a ``torch.library.register_torch_dispatch`` rule for
