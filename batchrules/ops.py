@@ -3,6 +3,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+from torch.overrides import has_torch_function
+
+from . import _C
 
 _linear = torch.ops.batchrules.linear.default
 _linear_backward = torch.ops.batchrules.linear_backward.default
@@ -21,7 +24,13 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
         weight: ``(out_features, in_features)`` or ``(in_features,)``.
         bias: optional, broadcastable to the output ``(*, out_features)``.
     """
-    return _linear(input, weight, bias)
+    # Eager calls take the unboxed C++ entry (as cheap as F.linear's binding);
+    # torch.compile and __torch_function__ overrides need the torch.ops call,
+    # and a missing tensor gets the kernel's own message through it.
+    if (input is None or weight is None or torch.compiler.is_compiling()
+            or has_torch_function((input, weight, bias))):
+        return _linear(input, weight, bias)
+    return _C._linear(input, weight, bias)
 
 
 def linear_backward(
