@@ -3,7 +3,7 @@
 Without a GPU the CUDA cases are reported as skipped. ``python -m
 batchrules.gpu_check`` runs this file on a GPU machine.
 """
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import pytest
 import torch
@@ -25,17 +25,6 @@ SHAPES = [  # input, weight, bias
     ((6,), (5, 6), None),
     ((2, 3, 6), (6,), ()),
 ]
-
-
-@pytest.fixture
-def strict_vmap() -> Iterator[None]:
-    """A missing batching rule fails instead of looping."""
-    previous = torch._C._functorch._is_vmap_fallback_enabled()
-    torch._C._functorch._set_vmap_fallback_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._functorch._set_vmap_fallback_enabled(previous)
 
 
 def make(shapes: Tuple, device: str, dtype: torch.dtype = torch.float32,
@@ -80,7 +69,7 @@ def test_gradcheck_lite(device: str, shapes: Tuple) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_vmap_batched_weights(device: str, strict_vmap: None) -> None:
+def test_vmap_batched_weights(device: str, no_vmap_fallback: None) -> None:
     batch = 3
     x = torch.randn(batch, 4, 6, device=device)
     w = torch.randn(batch, 5, 6, device=device)
@@ -101,7 +90,7 @@ def per_sample_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Dict[
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_per_sample_grads_with_routing(device: str, strict_vmap: None) -> None:
+def test_per_sample_grads_with_routing(device: str, no_vmap_fallback: None) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(device)
     x, y = torch.randn(5, 6, device=device), torch.randint(0, 3, (5,), device=device)
