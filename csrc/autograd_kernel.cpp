@@ -24,12 +24,6 @@ Tensor tangent(const Tensor& t) {
   return t.defined() ? t._fw_grad(0) : Tensor();
 }
 
-Tensor add_defined(const Tensor& a, const Tensor& b) {
-  if (!a.defined()) return b;
-  if (!b.defined()) return a;
-  return a + b;
-}
-
 // Does linear_backward's grad_bias (grad_output summed over leading dims)
 // already have the bias's shape?
 bool bias_matches_op_grad(const Tensor& weight, const Tensor& bias) {

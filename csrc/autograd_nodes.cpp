@@ -22,12 +22,6 @@ Tensor bias_grad_by_sum_to(const Tensor& grad, c10::SymIntArrayRef bias_shape) {
   return at::sum_to(grad, bias_shape.slice(extra)).view_symint(bias_shape);
 }
 
-Tensor add_defined(const Tensor& a, const Tensor& b) {
-  if (!a.defined()) return b;
-  if (!b.defined()) return a;
-  return a + b;
-}
-
 }  // namespace
 
 void LinearBackward0::release_variables() {

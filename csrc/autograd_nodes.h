@@ -9,6 +9,7 @@
 // the operators back through the dispatcher, so every transform sees them.
 #pragma once
 
+#include <ATen/TensorOperators.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
@@ -34,6 +35,13 @@ NodePtr<T> make_node() {
   } else {
     return std::make_shared<T>();
   }
+}
+
+// Sum of two partial gradients, either of which may be undefined (absent).
+inline at::Tensor add_defined(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined()) return b;
+  if (!b.defined()) return a;
+  return a + b;
 }
 
 // Backward of linear(input, weight, bias): one batchrules::linear_backward

@@ -39,11 +39,6 @@ Tensor front_3d(const Tensor& t, int64_t bdim, const Logical& s) {
   return f.reshape_symint({f.sym_size(0), s.rows, f.sym_size(-1)});
 }
 
-// Physical unbatched [*lead, F] -> [M, F].
-Tensor flat_2d(const Tensor& t, const Logical& s) {
-  return t.reshape_symint({s.rows, t.sym_size(-1)});
-}
-
 // Physical batched [*lead, F] (batch dim anywhere) -> [M, B*F].
 Tensor batch_into_columns(const Tensor& t, int64_t bdim, const Logical& s) {
   const Tensor m = t.movedim(bdim, -2);  // [*lead, B, F]
@@ -53,24 +48,18 @@ Tensor batch_into_columns(const Tensor& t, int64_t bdim, const Logical& s) {
 BatchedResult grad_input_rule(const Tensor& g, std::optional<int64_t> g_bdim, const Tensor& w,
                               std::optional<int64_t> w_bdim, const Logical& s) {
   if (!w_bdim.has_value()) {
-    if (!g_bdim.has_value()) {
-      c10::SymDimVector out_shape = s.lead;
-      out_shape.push_back(s.in_features);
-      // M,O x O,I -> M,I
-      return {at::mm(flat_2d(g, s), w.conj()).view_symint(out_shape), std::nullopt};
-    }
     // A batch dim in the last place would split the GEMM's rows from its columns.
-    const bool bdim_last = *g_bdim == g.dim() - 1;
+    const bool bdim_last = g_bdim.has_value() && *g_bdim == g.dim() - 1;
     const Tensor gp = bdim_last ? g.movedim(-1, 0) : g;
-    // B*M,O x O,I -> B*M,I
+    // [B*]M,O x O,I -> [B*]M,I
     return {unfold_leading_dims(at::mm(fold_leading_dims(gp), w.conj()), gp),
-            bdim_last ? 0 : *g_bdim};
+            bdim_last ? std::optional<int64_t>(0) : g_bdim};
   }
   const Tensor wf = move_bdim_to_front(w, w_bdim);  // [B, O, I]
   const c10::SymInt batch = wf.sym_size(0);
   const Tensor g3 = g_bdim.has_value()
                         ? front_3d(g, *g_bdim, s)
-                        : flat_2d(g, s).expand_symint({batch, s.rows, s.out_features});
+                        : fold_leading_dims(g).expand_symint({batch, s.rows, s.out_features});
   c10::SymDimVector out_shape = s.lead;
   out_shape.insert(out_shape.begin(), batch);
   out_shape.push_back(s.in_features);
@@ -96,18 +85,18 @@ BatchedResult grad_weight_rule(const Tensor& g, std::optional<int64_t> g_bdim, c
     // B*O,M x M,I -> B*O,I  viewed [B, O, I]
     const Tensor cols = batch_into_columns(g, *g_bdim, s);
     const c10::SymInt batch = g.sym_size(*g_bdim);
-    const Tensor out = at::mm(cols.t(), flat_2d(x, s).conj());
+    const Tensor out = at::mm(cols.t(), fold_leading_dims(x).conj());
     return {out.view_symint({batch, s.out_features, s.in_features}), 0};
   }
   if (x_bdim.has_value()) {
     // O,M x M,B*I -> O,B*I  viewed [O, B, I]
     const Tensor cols = batch_into_columns(x, *x_bdim, s);
     const c10::SymInt batch = x.sym_size(*x_bdim);
-    const Tensor out = at::mm(flat_2d(g, s).t(), cols.conj());
+    const Tensor out = at::mm(fold_leading_dims(g).t(), cols.conj());
     return {out.view_symint({s.out_features, batch, s.in_features}), 1};
   }
   // O,M x M,I -> O,I
-  return {at::mm(flat_2d(g, s).t(), flat_2d(x, s).conj()), std::nullopt};
+  return {at::mm(fold_leading_dims(g).t(), fold_leading_dims(x).conj()), std::nullopt};
 }
 
 BatchedResult grad_bias_rule(const Tensor& g, std::optional<int64_t> g_bdim) {
