@@ -4,18 +4,19 @@
 // With gi = g @ conj(W), gW = g^T @ conj(x), gb = sum(g) each output depends
 // on two operands at most, so each gets its own case analysis (shapes
 // physical, B the vmap size, M the product of the logical leading dims):
-//  - grad_input: W shared -> g's rows, batch included, fold into one mm (the
-//    batch dim stays in place); W batched -> one bmm [B, M, O] x [B, O, I]
-//    (a shared g is expanded, not copied).
-//  - grad_weight: x and g batched (per-sample gradients) -> one bmm
-//    [B, O, M] x [B, M, I] that contracts every leading dim, sequence dims
-//    included; one side shared -> one mm with the other side's batch folded
-//    into the GEMM (free when its batch dim sits next to the features, as in
-//    the output of the stacked-weight forward; one copy otherwise).
+//  - grad_input: W shared -> g's rows, batch included, fold into one mm;
+//    W batched -> one bmm [B, M, O] x [B, O, I].
+//  - grad_weight: one bmm [B, O, M] x [B, M, I] that contracts every leading
+//    dim, sequence dims included (per-sample gradients when x and g are
+//    batched, or a shared g expanded); a shared x -> one mm [B*O, M] x [M, I]
+//    (g's batch joins the rows; one copy of g unless its batch dim sits next
+//    to the out features).
 //  - grad_bias: one reduction over the leading dims.
-// An output none of whose operands is batched is computed once, unbatched.
-// Every kernel here has a functorch batching rule that folds enclosing vmap
-// levels into the same kernel (mm, bmm, sum).
+// A shared operand of a bmm is expanded (stride 0), not copied. An output
+// none of whose operands is batched is computed once, unbatched. Results are
+// batch-first and contiguous per example; see Note [Contiguous per-example
+// results]. Every kernel here has a functorch batching rule that folds
+// enclosing vmap levels into the same kernel (mm, bmm, sum).
 // A 1-D weight runs as [1, I]; see Note [1-D weight as a one-row matrix].
 #include "batch_rules.h"
 #include "shape_checks.h"
@@ -33,86 +34,74 @@ struct Logical {
   c10::SymInt out_features;
 };
 
-// Physical [B, *lead, F] (batch dim anywhere) -> [B, M, F].
-Tensor front_3d(const Tensor& t, int64_t bdim, const Logical& s) {
+// Physical [B, *lead, F] (batch dim anywhere) -> [B, M, F]; a shared
+// [*lead, F] -> [M, F] expanded to [batch, M, F].
+Tensor front_3d(const Tensor& t, std::optional<int64_t> bdim, const c10::SymInt& batch,
+                const Logical& s) {
+  if (!bdim.has_value()) {
+    return fold_leading_dims(t).expand_symint({batch, s.rows, t.sym_size(-1)});
+  }
   const Tensor f = move_bdim_to_front(t, bdim);
-  return f.reshape_symint({f.sym_size(0), s.rows, f.sym_size(-1)});
-}
-
-// Physical batched [*lead, F] (batch dim anywhere) -> [M, B*F].
-Tensor batch_into_columns(const Tensor& t, int64_t bdim, const Logical& s) {
-  const Tensor m = t.movedim(bdim, -2);  // [*lead, B, F]
-  return m.reshape_symint({s.rows, m.sym_size(-2) * m.sym_size(-1)});
+  return f.reshape_symint({batch, s.rows, f.sym_size(-1)});
 }
 
 BatchedResult grad_input_rule(const Tensor& g, std::optional<int64_t> g_bdim, const Tensor& w,
                               std::optional<int64_t> w_bdim, const Logical& s) {
   if (!w_bdim.has_value()) {
-    // A batch dim in the last place would split the GEMM's rows from its columns.
-    const bool bdim_last = g_bdim.has_value() && *g_bdim == g.dim() - 1;
-    const Tensor gp = bdim_last ? g.movedim(-1, 0) : g;
+    const Tensor gf = move_bdim_to_front(g, g_bdim);
     // [B*]M,O x O,I -> [B*]M,I
-    return {unfold_leading_dims(at::mm(fold_leading_dims(gp), w.conj()), gp),
-            bdim_last ? std::optional<int64_t>(0) : g_bdim};
+    return {unfold_leading_dims(at::mm(fold_leading_dims(gf), w.conj()), gf),
+            g_bdim.has_value() ? std::optional<int64_t>(0) : std::nullopt};
   }
   const Tensor wf = move_bdim_to_front(w, w_bdim);  // [B, O, I]
   const c10::SymInt batch = wf.sym_size(0);
-  const Tensor g3 = g_bdim.has_value()
-                        ? front_3d(g, *g_bdim, s)
-                        : fold_leading_dims(g).expand_symint({batch, s.rows, s.out_features});
   c10::SymDimVector out_shape = s.lead;
   out_shape.insert(out_shape.begin(), batch);
   out_shape.push_back(s.in_features);
   // B,M,O x B,O,I -> B,M,I
-  return {at::bmm(g3, wf.conj()).view_symint(out_shape), 0};
+  return {at::bmm(front_3d(g, g_bdim, batch, s), wf.conj()).view_symint(out_shape), 0};
 }
 
 BatchedResult grad_weight_rule(const Tensor& g, std::optional<int64_t> g_bdim, const Tensor& x,
                                std::optional<int64_t> x_bdim, const Logical& s) {
-  if (g_bdim.has_value() && x_bdim.has_value()) {
-    const Tensor gt = front_3d(g, *g_bdim, s).transpose(1, 2);  // [B, O, M]
-    const Tensor xc = front_3d(x, *x_bdim, s).conj();            // [B, M, I]
-    if (s.rows == 1) {
-      // Per-sample vectors: a batch of outer products, where a K=1 bmm runs
-      // several times slower than one broadcast multiply.
-      // B,O,1 * B,1,I -> B,O,I
-      return {gt * xc, 0};
-    }
-    // B,O,M x B,M,I -> B,O,I
-    return {at::bmm(gt, xc), 0};
+  if (!g_bdim.has_value() && !x_bdim.has_value()) {
+    // O,M x M,I -> O,I
+    return {at::mm(fold_leading_dims(g).t(), fold_leading_dims(x).conj()), std::nullopt};
   }
-  if (g_bdim.has_value()) {
+  if (!x_bdim.has_value() && s.rows != 1) {
+    // Only g batched (jacrev's cotangent basis, an ensemble on shared data):
+    // the batch joins the GEMM's rows.
     // B*O,M x M,I -> B*O,I  viewed [B, O, I]
-    const Tensor cols = batch_into_columns(g, *g_bdim, s);
-    const c10::SymInt batch = g.sym_size(*g_bdim);
-    const Tensor out = at::mm(cols.t(), fold_leading_dims(x).conj());
+    const Tensor cols = move_bdim_to_front(g, g_bdim).movedim(0, -2);  // [*lead, B, O]
+    const c10::SymInt batch = cols.sym_size(-2);
+    const Tensor out = at::mm(cols.reshape_symint({s.rows, batch * s.out_features}).t(),
+                              fold_leading_dims(x).conj());
     return {out.view_symint({batch, s.out_features, s.in_features}), 0};
   }
-  if (x_bdim.has_value()) {
-    // O,M x M,B*I -> O,B*I  viewed [O, B, I]
-    const Tensor cols = batch_into_columns(x, *x_bdim, s);
-    const c10::SymInt batch = x.sym_size(*x_bdim);
-    const Tensor out = at::mm(fold_leading_dims(g).t(), cols.conj());
-    return {out.view_symint({s.out_features, batch, s.in_features}), 1};
+  const c10::SymInt batch = g_bdim.has_value() ? g.sym_size(*g_bdim) : x.sym_size(*x_bdim);
+  const Tensor gt = front_3d(g, g_bdim, batch, s).transpose(1, 2);  // [B, O, M]
+  const Tensor xc = front_3d(x, x_bdim, batch, s).conj();           // [B, M, I]
+  if (s.rows == 1) {
+    // Per-sample vectors: a batch of outer products, where a K=1 bmm runs
+    // several times slower than one broadcast multiply.
+    // B,O,1 * B,1,I -> B,O,I (the product takes gt's layout: make it batch-first)
+    return {gt.contiguous() * xc, 0};
   }
-  // O,M x M,I -> O,I
-  return {at::mm(fold_leading_dims(g).t(), fold_leading_dims(x).conj()), std::nullopt};
+  // B,O,M x B,M,I -> B,O,I
+  return {at::bmm(gt, xc), 0};
 }
 
 BatchedResult grad_bias_rule(const Tensor& g, std::optional<int64_t> g_bdim) {
-  // Sum every dim but the batch dim and the out dim: [.., B, .., O] -> [B, O]
-  const bool bdim_last = g_bdim.has_value() && *g_bdim == g.dim() - 1;
-  const Tensor gp = bdim_last ? g.movedim(-1, 0) : g;
-  const int64_t bdim = g_bdim.has_value() ? (bdim_last ? 0 : *g_bdim) : -1;
+  // Sum every dim but the batch dim and the out dim: [B, *lead, O] -> [B, O]
+  const Tensor gf = move_bdim_to_front(g, g_bdim);
+  const int64_t first = g_bdim.has_value() ? 1 : 0;
   std::vector<int64_t> dims;
-  for (int64_t d = 0; d + 1 < gp.dim(); ++d) {
-    if (d != bdim) {
-      dims.push_back(d);
-    }
+  for (int64_t d = first; d + 1 < gf.dim(); ++d) {
+    dims.push_back(d);
   }
   // sum over an empty dim list would reduce everything: without leading dims
   // the gradient is a copy of g (a fresh tensor, as the schema promises).
-  const Tensor out = dims.empty() ? gp.clone() : gp.sum(dims);
+  const Tensor out = dims.empty() ? gf.clone(at::MemoryFormat::Contiguous) : gf.sum(dims);
   return {out, g_bdim.has_value() ? std::optional<int64_t>(0) : std::nullopt};
 }
 

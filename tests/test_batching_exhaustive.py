@@ -3,8 +3,9 @@
 Every batch dim choice per tensor argument (None included), input ranks 1-3,
 1-D and 2-D weights, every bias shape F.linear accepts (absent, [O], [], [1],
 the 1-D-input quirk [1, O], biases with leading dims) and every non-empty
-output_mask, with out_dims cycling through all positions. The vmap fallback is
-off, so each case must be served by the batching rules. Sizes are small and
+output_mask, with out_dims cycling through all positions. Each result must also
+be contiguous per example, as eager's is, so that ``.view()`` works on it under
+vmap. The vmap fallback is off, so each case must be served by the batching rules. Sizes are small and
 pairwise distinct so a wrong broadcast cannot pass by coincidence.
 """
 import itertools
@@ -26,6 +27,11 @@ DTYPE = torch.float64
 MASKS = [m for m in itertools.product([False, True], repeat=3) if any(m)]
 
 pytestmark = pytest.mark.usefixtures("no_vmap_fallback")
+
+
+def flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t.view(-1)``: fails under vmap unless each example is contiguous."""
+    return None if t is None else t.view(-1)
 
 
 def input_shape(rank: int) -> Tuple[int, ...]:
@@ -83,6 +89,8 @@ def test_linear_every_in_dims(in_rank: int, w_rank: int) -> None:
             try:
                 actual = vmap(batchrules.linear, in_dims, out_dims)(x, w, b)
                 assert_same(actual, expected, msg=label)
+                viewed = vmap(lambda *a: flat(batchrules.linear(*a)), in_dims)(x, w, b)
+                assert_same(viewed, expected.movedim(out_dims, 0).reshape(BATCH, -1), msg=label)
             except Exception as e:  # collect every failing case, report them together
                 failures.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0]}")
     assert cases > 0
@@ -121,6 +129,10 @@ def test_linear_backward_every_in_dims_and_mask(in_rank: int, w_rank: int) -> No
             try:
                 actual = vmap(batchrules.linear_backward, in_dims, out_dims)(x, g, w, mask)
                 assert_same(tuple(actual), expected, msg=label)
+                viewed = vmap(lambda *a: tuple(map(flat, batchrules.linear_backward(*a))),
+                              in_dims, out_dims=tuple(0 if m else None for m in mask))(x, g, w, mask)
+                assert_same(viewed, tuple(None if not m else t.movedim(d, 0).reshape(BATCH, -1)
+                                          for t, m, d in zip(expected, mask, out_dims)), msg=label)
             except Exception as e:  # collect every failing case, report them together
                 failures.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0]}")
     assert not failures, f"{len(failures)}/{cases} cases failed:\n" + "\n".join(failures[:20])

@@ -37,13 +37,14 @@ LINEAR_CASES = {
                                   ["baddbmm"]),
     "batched_weight_input": (lambda f: vmap(f), (r(B, N, IN), r(B, OUT, IN)), ["bmm"]),
     "batched_weight_1d": (lambda f: vmap(f), (r(B, IN), r(B, IN), r(B)), ["baddbmm"]),
+    # The shared input is expanded, not copied; see Note [Contiguous per-example results].
     "shared_input_batched_weight": (lambda f: vmap(f, (None, 0, 0)),
-                                    (r(N, IN), r(B, OUT, IN), r(B, OUT)), ["addmm"]),
+                                    (r(N, IN), r(B, OUT, IN), r(B, OUT)), ["baddbmm"]),
     "shared_weight_bdim_front": (lambda f: vmap(f, (0, None, None)),
                                  (r(B, N, IN), r(OUT, IN), r(OUT)), ["addmm"]),
+    # A batch dim elsewhere moves to the front (one copy) so each result is contiguous.
     "shared_weight_bdim_middle": (lambda f: vmap(f, (1, None, None)),
-                                  (r(N, B, IN), r(OUT, IN), r(OUT)), ["addmm"]),
-    # The batch dim between the rows and the features: one copy to fold it.
+                                  (r(N, B, IN), r(OUT, IN), r(OUT)), ["addmm", "copy_"]),
     "shared_weight_bdim_last": (lambda f: vmap(f, (2, None, None)),
                                 (r(N, IN, B), r(OUT, IN), r(OUT)), ["addmm", "copy_"]),
     # A per-example bias cannot ride on a shared weight's GEMM.
@@ -57,7 +58,7 @@ LINEAR_CASES = {
                         ["add", "bmm"]),
     # An ensemble (outer) of models applied per sample (inner) to shared data.
     "ensemble_of_per_sample": (lambda f: vmap(vmap(f, (0, None, None)), (None, 0, 0)),
-                               (r(B, N, IN), r(E, OUT, IN), r(E, OUT)), ["addmm"]),
+                               (r(B, N, IN), r(E, OUT, IN), r(E, OUT)), ["baddbmm"]),
 }
 
 
@@ -90,12 +91,14 @@ BACKWARD_CASES = {
                           ["copy_", "mm", "mul"]),
     "ensemble": ((0, 0, 0, None), (r(B, N, IN), r(B, N, OUT), r(B, OUT, IN)),
                  ["bmm", "bmm", "sum"]),
-    # Shared input, grad_output laid out as the stacked-weight forward returns it.
-    "ensemble_shared_input": ((None, 1, 0, None), (r(N, IN), r(N, B, OUT), r(B, OUT, IN)),
-                              ["bmm", "mm", "sum"]),
-    # As in jacrev: only grad_output batched.
+    # Shared input: grad_weight one mm with the batch in its rows (one copy of g).
+    "ensemble_shared_input": ((None, 0, 0, None), (r(N, IN), r(B, N, OUT), r(B, OUT, IN)),
+                              ["bmm", "copy_", "mm", "sum"]),
+    # As in jacrev: only grad_output batched. Its batch dim next to the features
+    # joins grad_weight's GEMM rows as it is; grad_input moves it to the front
+    # (one copy) to come out contiguous per example.
     "batched_grad_output_only": ((None, 1, None, None), (r(N, IN), r(N, B, OUT), r(OUT, IN)),
-                                 ["mm", "mm", "sum"]),
+                                 ["copy_", "mm", "mm", "sum"]),
 }
 
 

@@ -151,6 +151,37 @@ def test_transform_runs_batchrules_linear(name: str, no_vmap_fallback: None) -> 
     torch.testing.assert_close(routed, stock)
 
 
+# User code that views a linear's result, as attention projections do
+# (q_proj(x).view(T, H, D)); eager F.linear returns a contiguous tensor.
+VIEW_AFTER_LINEAR: Dict[str, tuple] = {
+    "ensemble_shared_input": ((None, 0, 0), (torch.randn(6, 8), torch.randn(3, 8, 8),
+                                              torch.randn(3, 8))),
+    "per_model_input": ((0, 0, 0), (torch.randn(3, 6, 8), torch.randn(3, 8, 8),
+                                    torch.randn(3, 8))),
+    "batch_dim_in_the_middle": ((1, None, None), (torch.randn(6, 3, 8), torch.randn(8, 8),
+                                                  torch.randn(8))),
+    "batch_dim_last": ((2, None, None), (torch.randn(6, 8, 3), torch.randn(8, 8),
+                                         torch.randn(8))),
+}
+
+
+@pytest.mark.parametrize("case", list(VIEW_AFTER_LINEAR))
+def test_view_after_linear_works_as_stock(case: str, no_vmap_fallback: None) -> None:
+    in_dims, args = VIEW_AFTER_LINEAR[case]
+
+    def heads(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+        return F.linear(x, w, b).view(6, 2, 4).transpose(0, 1)
+
+    fn = vmap(heads, in_dims)
+    with batchrules.enabled(False):
+        stock = fn(*args)
+    with batchrules.enabled(True):
+        routed = fn(*args)
+        assert batchrules_op_counts(lambda: fn(*args)).get("batchrules::linear", 0) >= 1
+        assert vmap(lambda *a: F.linear(*a), in_dims)(*args).is_contiguous()
+    torch.testing.assert_close(routed, stock)
+
+
 def test_grad_fn_is_batchrules_node_under_grad(routing_on: None) -> None:
     names: List[str] = []
 
