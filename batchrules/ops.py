@@ -3,7 +3,6 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
-from torch.overrides import has_torch_function
 
 from . import _C
 
@@ -11,26 +10,13 @@ _linear = torch.ops.batchrules.linear.default
 _linear_backward = torch.ops.batchrules.linear_backward.default
 
 
-def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """``y = input @ weight.T + bias``, with the semantics of ``torch.nn.functional.linear``.
+linear = _C.linear
 
-    Unlike ``F.linear`` it keeps its identity under every transform: it has its
-    own backward (one ``batchrules::linear_backward`` call), double backward and
-    forward-mode AD formulas, and vmap batching rules that run batched weights
-    as one batched GEMM.
 
-    Args:
-        input: ``(*, in_features)`` or ``(in_features,)``.
-        weight: ``(out_features, in_features)`` or ``(in_features,)``.
-        bias: optional, broadcastable to the output ``(*, out_features)``.
-    """
-    # Eager calls take the unboxed C++ entry (as cheap as F.linear's binding);
-    # torch.compile and __torch_function__ overrides need the torch.ops call,
-    # and a missing tensor gets the kernel's own message through it.
-    if (input is None or weight is None or torch.compiler.is_compiling()
-            or has_torch_function((input, weight, bias))):
-        return _linear(input, weight, bias)
-    return _C._linear(input, weight, bias)
+@torch._dynamo.substitute_in_graph(linear, skip_signature_check=True)
+def _linear_polyfill(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """What torch.compile traces in place of the C entry: the operator itself."""
+    return _linear(input, weight, bias)
 
 
 def linear_backward(

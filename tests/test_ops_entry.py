@@ -40,3 +40,57 @@ def test_missing_tensor_gets_the_kernel_message() -> None:
         assert "expected input and weight to be tensors" in str(e)
     else:
         raise AssertionError("None weight was accepted")
+
+
+class RecordingMode(torch.overrides.TorchFunctionMode):
+    """A __torch_function__ mode that records the functions it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: List[Any] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_torch_function_modes_see_the_op() -> None:
+    x, w, b = torch.randn(2, 3), torch.randn(4, 3), torch.randn(4)
+    with RecordingMode() as mode:
+        out = batchrules.linear(x, w, b)
+    assert mode.seen == [torch.ops.batchrules.linear.default]
+    assert out.shape == (2, 4)
+
+
+def test_parameters_and_keywords_take_the_fast_path() -> None:
+    lin = torch.nn.Linear(3, 4)
+    x = torch.randn(2, 3)
+    out = batchrules.linear(input=x, weight=lin.weight, bias=lin.bias)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, lin.weight, lin.bias),
+                               rtol=0, atol=0)
+    assert out.grad_fn.name() == "BatchrulesLinearBackward0"
+
+
+def test_non_tensor_argument_is_a_type_error() -> None:
+    try:
+        batchrules.linear(torch.randn(2, 3), [[1.0, 2.0, 3.0]])  # type: ignore[arg-type]
+    except (RuntimeError, TypeError) as e:
+        assert "weight" in str(e) or "Tensor" in str(e)
+    else:
+        raise AssertionError("a list weight was accepted")
+
+
+def test_compile_traces_the_operator_through_the_polyfill() -> None:
+    """fullgraph compile of the C entry: no graph break, the op in the graph."""
+    graphs: List[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm
+
+    fn = torch.compile(lambda x, w, b: batchrules.linear(x, w, b), backend=backend,
+                       fullgraph=True)
+    x, w, b = torch.randn(2, 3), torch.randn(4, 3), torch.randn(4)
+    torch.testing.assert_close(fn(x, w, b), torch.nn.functional.linear(x, w, b))
+    targets = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert torch.ops.batchrules.linear.default in targets

@@ -1,8 +1,9 @@
 """What a benchmark case is made of: variants of one step and a reference."""
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, List, Optional
+from typing import Any, Callable, ContextManager, List, Optional, Sequence
 
 import torch
+from torch.func import vmap
 
 import batchrules
 
@@ -30,11 +31,23 @@ class Variant:
 
 @dataclass
 class CaseSetup:
-    """The materialised case: its variants and a float64 reference result."""
+    """The materialised case: its variants and a float64 reference result.
+
+    ``floor``: ``vmap`` over a function returning its input, with the case's
+    inputs and in_dims: the cost of entering and leaving vmap for these
+    inputs, which no batching rule removes (it grows with their number).
+    """
 
     variants: List[Variant]
     reference: Callable[[], Any]
     notes: List[str] = field(default_factory=list)
+    floor: Optional[Callable[[], Any]] = None
+
+
+def vmap_identity(in_dims: Sequence[Any], args: Sequence[Any], returned: int = -1) -> Callable[[], Any]:
+    """A step that vmaps a function returning its input ``args[returned]``."""
+    identity = vmap(lambda *a: a[returned], in_dims=tuple(in_dims))
+    return lambda: identity(*args)
 
 
 @dataclass

@@ -31,10 +31,11 @@ def _median(stats: Optional[Stats]) -> Optional[float]:
     return stats.median if stats is not None else None
 
 
-def variant_numbers(result: CaseResult, vr: VariantResult, floor: Optional[float]) -> Dict[str, Any]:
+def variant_numbers(result: CaseResult, vr: VariantResult) -> Dict[str, Any]:
     """Every number of one variant, as stored in the JSON record."""
     s, k, c = vr.stats, vr.kernels, vr.check
     median = s.median if s else None
+    floor = result.floor.median if result.floor else None
     return {
         "median_s": median,
         "q1_s": s.quantile(0.25) if s else None,
@@ -70,21 +71,20 @@ def _row(cells: List[str]) -> str:
     )
 
 
-def table(results: List[CaseResult], floor: Optional[Stats]) -> str:
+def table(results: List[CaseResult]) -> str:
     """One line per variant: median, spread, ratios, error, kernels, memory.
 
-    ``-floor`` (small sizes only): median minus the vmap floor, the part of
-    the time the transform's fixed cost does not explain.
+    ``-floor`` (small sizes only): median minus the case's vmap floor, the
+    part of the time the transform's fixed cost does not explain.
     """
     lines = [_row([name for name, _ in COLUMNS]), "-" * (sum(w for _, w in COLUMNS) + len(COLUMNS))]
-    floor_s = floor.median if floor else None
     for r in results:
         for i, (name, vr) in enumerate(r.variants.items()):
             case = r.case.name if i == 0 else ""
             if vr.error is not None:
                 lines.append(_row([case, name, "ERROR"]) + " " + vr.error)
                 continue
-            n = variant_numbers(r, vr, floor_s)
+            n = variant_numbers(r, vr)
             err = f"{n['max_abs_err']:.1e}" + ("" if n["correct"] else "!")
             spread = f"{100 * n['iqr_s'] / n['median_s']:.0f}%" if n["median_s"] else "-"
             vmapped = not r.case.scenario.startswith("eager") and name in ("stock", "batchrules")
@@ -128,7 +128,8 @@ def to_json(
         cases.append({
             "scenario": r.case.scenario, "size": r.case.size, "tier": r.case.tier,
             "description": r.case.description, "n_linears": r.case.n_linears, "notes": r.notes,
-            "variants": {name: variant_numbers(r, vr, floor_s) for name, vr in r.variants.items()},
+            "vmap_floor_s": r.floor.median if r.floor else None,
+            "variants": {name: variant_numbers(r, vr) for name, vr in r.variants.items()},
         })
     record = {
         "machine": machine,

@@ -14,6 +14,8 @@ from .timing import Stats, TimingPlan, paired_ratios, synchronizer, time_interle
 
 # Relative tolerance of float32 results against the float64 reference.
 RTOL = 1e-4
+# The name the case's vmap floor is timed under (not a variant: never checked).
+FLOOR = "vmap floor"
 
 
 @dataclass
@@ -33,6 +35,7 @@ class CaseResult:
     case: Case
     variants: Dict[str, VariantResult] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    floor: Optional[Stats] = None  # the case's vmap floor (CaseSetup.floor)
 
     def stats(self, variant: str) -> Optional[Stats]:
         v = self.variants.get(variant)
@@ -46,6 +49,13 @@ class CaseResult:
         """Paired per-repeat time ratios (see ``paired_ratios``), if both were timed."""
         n, d = self.stats(numerator), self.stats(denominator)
         return paired_ratios(n, d) if n is not None and d is not None else None
+
+    def ratio_above_floor(self, numerator: str, denominator: str) -> Optional[Stats]:
+        """Paired per-repeat ``time(numerator) / (time(denominator) - floor)``."""
+        n, d, f = self.stats(numerator), self.stats(denominator), self.floor
+        if n is None or d is None or f is None:
+            return None
+        return Stats([a / max(b - c, 1e-12) for a, b, c in zip(n.times, d.times, f.times)])
 
 
 def _error(exc: BaseException) -> str:
@@ -84,10 +94,13 @@ def run_case(
         runnable.append(v)
     del reference
     if runnable:
+        # The floor is timed in the same rounds, so it can be paired with them.
+        floor = [Variant(FLOOR, setup.floor)] if setup.floor is not None else []
         stats = time_interleaved(
-            runnable, plan, synchronizer(device),
+            runnable + floor, plan, synchronizer(device),
             on_repeat=lambda done, total: on_stage(f"timing {done}/{total}"),
         )
+        result.floor = stats.pop(FLOOR, None)
         for name, s in stats.items():
             result.variants[name].stats = s
     return result

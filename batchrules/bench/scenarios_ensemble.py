@@ -7,7 +7,7 @@ from torch import Tensor
 from torch.func import functional_call, grad, vmap
 
 from . import limits
-from .case import Case, CaseSetup, Variant
+from .case import Case, CaseSetup, Variant, vmap_identity
 from .models import MlpSpec, in_float64, mlp, mse, stacked_ensemble
 
 ALL, NOT_SMOKE, FULL = frozenset({"smoke", "quick", "full"}), frozenset({"quick", "full"}), frozenset({"full"})
@@ -50,7 +50,8 @@ def _forward_case(size: EnsembleSize, shared: bool) -> Case:
         def member(p: Dict[str, Tensor], b: Dict[str, Tensor], xi: Tensor) -> Tensor:
             return functional_call(base, (p, b), (xi,))
 
-        ensemble = vmap(member, in_dims=(0, 0, None if shared else 0))
+        in_dims = (0, 0, None if shared else 0)
+        ensemble = vmap(member, in_dims=in_dims)
         layers = _layers(params, size.spec)
 
         def reference() -> Tensor:
@@ -69,6 +70,7 @@ def _forward_case(size: EnsembleSize, shared: bool) -> Case:
                 Variant("limit", lambda: limits.ensemble_forward(layers, size.spec.act, x, shared)),
             ],
             reference=reference,
+            floor=vmap_identity(in_dims, (params, buffers, x)),
         )
 
     kind = "shared input" if shared else "per-model input"
@@ -114,6 +116,7 @@ def _train_case(size: EnsembleSize) -> Case:
                 Variant("limit", lambda: limits.ensemble_mse_grads(layers, size.spec.act, x, y)),
             ],
             reference=reference,
+            floor=vmap_identity((0, 0, 0, 0), (params, buffers, x, y), returned=0),
         )
 
     return Case(

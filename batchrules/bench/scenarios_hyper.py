@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.func import vmap
 
 from . import limits
-from .case import Case, CaseSetup, Variant
+from .case import Case, CaseSetup, Variant, vmap_identity
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,7 @@ def _case(size: HyperSize, backward: bool) -> Case:
                 Variant("limit", run(limits.per_sample_weights_forward)),
             ],
             reference=reference,
+            floor=vmap_identity((0,) * len(inputs), inputs, returned=0),
         )
 
     i, h, o = size.features

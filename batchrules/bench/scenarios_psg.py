@@ -6,7 +6,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from . import limits
-from .case import Case, CaseSetup, Variant
+from .case import Case, CaseSetup, Variant, vmap_identity
 from .models import MlpSpec, cross_entropy, detached_params, in_float64, mlp, small_cnn
 from .opacus_variant import cross_entropy_sum, opacus_variant
 
@@ -50,7 +50,8 @@ def _psg_setup(
     opacus = opacus_variant(model, x, y, cross_entropy_sum)
     if opacus is not None:
         variants.append(opacus)
-    return CaseSetup(variants, reference=lambda: per_sample_loop(model, x, y))
+    return CaseSetup(variants, reference=lambda: per_sample_loop(model, x, y),
+                     floor=vmap_identity((None, 0, 0), (params, x, y), returned=0))
 
 
 def _mlp_case(batch: int, tier: str) -> Case:
