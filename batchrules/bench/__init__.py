@@ -20,8 +20,11 @@ Columns: median and IQR (as % of the median) of seconds per step;
 ``vs stock`` = time(stock) / time(variant); ``/limit`` = time(variant) /
 time(limit); ``k/lin`` = compute kernels per linear forward call and
 ``k/step`` = per step (``kernels.py``); ``peak mem`` = peak extra bytes of
-one step (``memory.py``); ``-floor`` (small sizes) = median minus the vmap
-floor, the cost of ``vmap`` over a function returning its input.
+one step (``memory.py``); ``-floor`` (small sizes) = median minus the case's
+vmap floor, the cost of ``vmap`` over a function returning its input, timed
+with the case's own inputs (it grows with their number).
+``python -m batchrules.bench.breakdown`` splits three steps into torch.func's
+layers (vmap, grad, functional_call) to show where the rest of the time goes.
 Targets are evaluated and printed (``targets.py``), never asserted.
 """
 from .case import Case, CaseSetup, Variant
