@@ -46,16 +46,15 @@ namespace batchrules {
 
 namespace {
 
-// A physical bias laid out to broadcast against an output of logical rank
-// out_rank whose batch dim is at out_bdim: padded with leading 1s, its batch
-// dim (size 1 when shared) at out_bdim.
-Tensor align_to_output(const Tensor& bias, std::optional<int64_t> bias_bdim, int64_t out_rank,
-                       int64_t out_bdim) {
+// A physical bias laid out to broadcast against a batch-first output of
+// logical rank out_rank: batch dim (size 1 when shared) first, then padded
+// with 1s up to the output's rank.
+Tensor align_to_output(const Tensor& bias, std::optional<int64_t> bias_bdim, int64_t out_rank) {
   Tensor b = bias_bdim.has_value() ? move_bdim_to_front(bias, bias_bdim) : bias.unsqueeze(0);
   while (b.dim() < 1 + out_rank) {
     b = b.unsqueeze(1);
   }
-  return b.movedim(0, out_bdim);
+  return b;
 }
 
 // A batched row bias as [B, 1] or [B, O].
@@ -99,7 +98,8 @@ BatchedResult batched_gemm(const Tensor& input, std::optional<int64_t> input_bdi
     return {at::bmm(x3, wt).view_symint(out_shape), 0};
   }
   // [B, 1, O|1] or a shared [O], [1], []: broadcasts against [B, M, O].
-  const Tensor b3 = bias_bdim.has_value() ? batched_row_bias(*bias, *bias_bdim).unsqueeze(1) : *bias;
+  const Tensor b3 =
+      bias_bdim.has_value() ? batched_row_bias(*bias, *bias_bdim).unsqueeze(1) : *bias;
   // See Note [Nested vmap and fused GEMMs].
   if (batched_at_outer_level(x3) || batched_at_outer_level(wt) || batched_at_outer_level(b3)) {
     return {at::add(at::bmm(x3, wt), b3).view_symint(out_shape), 0};
@@ -128,13 +128,13 @@ BatchedResult linear_rule_2d_weight(const Tensor& input, std::optional<int64_t> 
     return result;
   }
   const auto& [out, out_bdim] = result;
-  // An unbatched GEMM output means the bias carries the batch.
+  // Outputs are batch-first; an unbatched GEMM output means the bias carries the batch.
+  TORCH_INTERNAL_ASSERT(out_bdim.value_or(0) == 0);
   TORCH_INTERNAL_ASSERT(out_bdim.has_value() || bias_bdim.has_value());
-  const int64_t bdim = out_bdim.value_or(0);
-  const Tensor b = align_to_output(*bias, bias_bdim, logical_rank(input, input_bdim), bdim);
+  const Tensor b = align_to_output(*bias, bias_bdim, logical_rank(input, input_bdim));
   // The sum takes the layout of its batched operand; see Note [Contiguous
   // per-example results].
-  return {at::add(out, out_bdim.has_value() ? b : b.contiguous()), bdim};
+  return {at::add(out, out_bdim.has_value() ? b : b.contiguous()), 0};
 }
 
 }  // namespace

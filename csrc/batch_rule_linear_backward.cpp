@@ -72,7 +72,7 @@ BatchedResult grad_weight_rule(const Tensor& g, std::optional<int64_t> g_bdim, c
     // Only g batched (jacrev's cotangent basis, an ensemble on shared data):
     // the batch joins the GEMM's rows.
     // B*O,M x M,I -> B*O,I  viewed [B, O, I]
-    const Tensor cols = move_bdim_to_front(g, g_bdim).movedim(0, -2);  // [*lead, B, O]
+    const Tensor cols = g.movedim(*g_bdim, -2);  // [*lead, B, O]
     const c10::SymInt batch = cols.sym_size(-2);
     const Tensor out = at::mm(cols.reshape_symint({s.rows, batch * s.out_features}).t(),
                               fold_leading_dims(x).conj());
