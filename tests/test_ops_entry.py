@@ -94,3 +94,23 @@ def test_compile_traces_the_operator_through_the_polyfill() -> None:
     torch.testing.assert_close(fn(x, w, b), torch.nn.functional.linear(x, w, b))
     targets = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     assert torch.ops.batchrules.linear.default in targets
+
+
+def test_fx_and_jit_trace_see_the_c_entry() -> None:
+    """torch.fx's proxies take the torch.ops path and record the op; jit.trace records it too."""
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return batchrules.linear(x, self.lin.weight, self.lin.bias).relu()
+
+    net, x = Net(), torch.randn(2, 3)
+    expected = net(x)
+    traced = torch.fx.symbolic_trace(net)
+    assert any(n.target is torch.ops.batchrules.linear.default for n in traced.graph.nodes)
+    torch.testing.assert_close(traced(x), expected)
+    scripted = torch.jit.trace(net, (x,))
+    assert "batchrules::linear" in str(scripted.graph)
+    torch.testing.assert_close(scripted(x), expected)
