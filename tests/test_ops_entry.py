@@ -2,6 +2,7 @@
 exactly like the torch.ops call it stands in for."""
 from typing import Any, List
 
+import pytest
 import torch
 
 import batchrules
@@ -114,3 +115,24 @@ def test_fx_and_jit_trace_see_the_c_entry() -> None:
     scripted = torch.jit.trace(net, (x,))
     assert "batchrules::linear" in str(scripted.graph)
     torch.testing.assert_close(scripted(x), expected)
+
+
+# torch.export's own pytree code warns in 2.13.
+@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning")
+def test_export_keeps_the_op_and_run_decompositions_lowers_it() -> None:
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return batchrules.linear(x, self.lin.weight, self.lin.bias)
+
+    net, x = Net(), torch.randn(2, 3)
+    exported = torch.export.export(net, (x,))
+    ops = [n.target for n in exported.graph.nodes if n.op == "call_function"]
+    assert ops == [torch.ops.batchrules.linear.default]
+    lowered = exported.run_decompositions()
+    ops = [n.target for n in lowered.graph.nodes if n.op == "call_function"]
+    assert torch.ops.batchrules.linear.default not in ops and torch.ops.aten.addmm.default in ops
+    torch.testing.assert_close(lowered.module()(x), net(x))
