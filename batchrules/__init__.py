@@ -10,6 +10,7 @@ from . import _C  # noqa: F401  (registers the operators)
 from ._post_import import when_imported as _when_imported
 from .decompositions import register_decompositions as _register_decompositions
 from .ops import linear, linear_backward
+from .ops import register_compile_polyfill as _register_compile_polyfill
 from .routing import disable, enable, enabled, is_enabled
 
 
@@ -21,6 +22,7 @@ def _register_sharding_strategies(_module: object) -> None:
 
 _register_decompositions()
 _when_imported("torch.distributed.tensor", _register_sharding_strategies)
+_when_imported("torch._dynamo", _register_compile_polyfill)
 
 __all__ = ["linear", "linear_backward", "enable", "disable", "enabled", "is_enabled"]
 

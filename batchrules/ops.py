@@ -1,4 +1,5 @@
 """Typed Python entry points of the batchrules operators."""
+from types import ModuleType
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -10,13 +11,33 @@ _linear = torch.ops.batchrules.linear.default
 _linear_backward = torch.ops.batchrules.linear_backward.default
 
 
-linear = _C.linear
+def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``y = input @ weight.T + bias``, with the semantics of ``torch.nn.functional.linear``.
+
+    Unlike ``F.linear`` it keeps its identity under every transform: it has its
+    own backward (one ``batchrules::linear_backward`` call), double backward and
+    forward-mode AD formulas, and vmap batching rules that run batched weights
+    as one batched GEMM.
+
+    Args:
+        input: ``(*, in_features)`` or ``(in_features,)``.
+        weight: ``(out_features, in_features)`` or ``(in_features,)``.
+        bias: optional, broadcastable to the output ``(*, out_features)``.
+    """
+    # See Note [Eager entry of batchrules.linear] (csrc/python_module.cpp).
+    return _C.linear(input, weight, bias)
 
 
-@torch._dynamo.substitute_in_graph(linear, skip_signature_check=True)
-def _linear_polyfill(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """What torch.compile traces in place of the C entry: the operator itself."""
-    return _linear(input, weight, bias)
+def register_compile_polyfill(dynamo: ModuleType) -> None:
+    """Has torch.compile trace the C entry as the operator it stands for.
+
+    Registered once ``torch._dynamo`` is imported (see Note [Registering with
+    optional torch subsystems lazily]): importing dynamo costs most of a second.
+    """
+
+    @dynamo.substitute_in_graph(_C.linear, skip_signature_check=True)
+    def _linear_polyfill(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        return _linear(input, weight, bias)
 
 
 def linear_backward(

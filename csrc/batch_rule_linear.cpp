@@ -29,9 +29,15 @@
 // functorch has no batching rule for addmm/baddbmm; under an enclosing vmap
 // level it decomposes them into mm/bmm + mul + add. The shared-weight branch
 // is a linear and calls batchrules::linear, so the enclosing level runs this
-// rule again. The batched-weight branch cannot: when an operand is batched at
-// an enclosing level it issues bmm (whose functorch rule folds all levels
-// into one bmm) + add instead of baddbmm.
+// rule again. So does a shared input with batched weights while anything is
+// batched at an enclosing level: an expanded input would be materialized
+// there (functorch's bmm rule folds levels by reshaping, which copies a
+// stride-0 dim, and copies a weight batched at this level only once per
+// enclosing example), so it runs as one linear against the stacked [B*O, I]
+// weights plus one copy of the output instead. A batched input with batched
+// weights issues bmm + add instead of baddbmm when an operand is batched at
+// an enclosing level; functorch's bmm rule folds levels the operands share
+// into one bmm.
 //
 // Note [1-D weight as a one-row matrix]
 // A 1-D weight [I] is run as the [1, I] matrix with the bias given a trailing
@@ -76,11 +82,41 @@ BatchedResult shared_weight_gemm(const Tensor& input, std::optional<int64_t> inp
   return {unfold_leading_dims(out, x), 0};
 }
 
+// [*lead, I] x [B, O, I] + row bias -> [B, *lead, O] when an operand is
+// batched at an enclosing level: one linear against the stacked [B*O, I]
+// weights, so the enclosing level runs this rule again, then one copy of the
+// output to put the batch first. See Note [Nested vmap and fused GEMMs].
+BatchedResult stacked_weight_gemm(const Tensor& input, const Tensor& w,
+                                  const std::optional<Tensor>& bias,
+                                  std::optional<int64_t> bias_bdim) {
+  const c10::SymInt batch = w.sym_size(0), out_features = w.sym_size(1);
+  std::optional<Tensor> b;
+  if (bias.has_value()) {
+    // [B, O|1] or a shared [O], [1], [] -> [B*O]
+    const Tensor b2 = bias_bdim.has_value() ? batched_row_bias(*bias, *bias_bdim) : *bias;
+    b = b2.expand_symint({batch, out_features}).reshape_symint({batch * out_features});
+  }
+  // M,I x I,B*O + B*O -> M,B*O
+  const Tensor x2 = fold_leading_dims(input);
+  const Tensor out = dispatch_linear(x2, w.reshape_symint({batch * out_features, w.sym_size(2)}), b);
+  c10::SymDimVector out_shape{batch};
+  out_shape.insert(out_shape.end(), input.sym_sizes().begin(), input.sym_sizes().end() - 1);
+  out_shape.push_back(out_features);
+  // M,B*O -> B,M,O
+  const Tensor front = out.view_symint({x2.sym_size(0), batch, out_features}).transpose(0, 1);
+  return {front.contiguous().view_symint(out_shape), 0};
+}
+
 // [B, *lead, I] (or a shared [*lead, I]) x [B, O, I] + row bias -> [B, *lead, O]
 BatchedResult batched_gemm(const Tensor& input, std::optional<int64_t> input_bdim,
                            const Tensor& weight, int64_t weight_bdim,
                            const std::optional<Tensor>& bias, std::optional<int64_t> bias_bdim) {
   const Tensor w = move_bdim_to_front(weight, weight_bdim);
+  if (!input_bdim.has_value() &&
+      (batched_at_outer_level(input) || batched_at_outer_level(w) ||
+       (bias.has_value() && batched_at_outer_level(*bias)))) {
+    return stacked_weight_gemm(input, w, bias, bias_bdim);
+  }
   const c10::SymInt batch = w.sym_size(0);
   c10::SymDimVector out_shape{batch};
   const auto lead = logical_sizes(input, input_bdim);

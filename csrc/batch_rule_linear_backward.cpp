@@ -84,8 +84,9 @@ BatchedResult grad_weight_rule(const Tensor& g, std::optional<int64_t> g_bdim, c
   if (s.rows == 1) {
     // Per-sample vectors: a batch of outer products, where a K=1 bmm runs
     // several times slower than one broadcast multiply.
-    // B,O,1 * B,1,I -> B,O,I (the product takes gt's layout: make it batch-first)
-    return {gt.contiguous() * xc, 0};
+    // B,O,1 * B,1,I -> B,O,I; the product takes its operands' layout, so
+    // one batched off the front (or O == 1) needs a copy to come out batch-first.
+    return {(gt * xc).contiguous(), 0};
   }
   // B,O,M x B,M,I -> B,O,I
   return {at::bmm(gt, xc), 0};

@@ -4,18 +4,23 @@
 // eager entry point.
 //
 // Note [Eager entry of batchrules.linear]
-// torch.ops calls box their arguments, and a Python wrapper adds a frame and
-// its checks: either made batchrules.linear 5-7% slower than F.linear (a
-// generated C binding) on small layers. So batchrules.linear is this C
-// function. Plain tensors (torch.Tensor or nn.Parameter exactly, no
-// __torch_function__ mode) go unboxed to the dispatcher; anything else (a
-// subclass with __torch_function__, a mode, None, a non-tensor) takes
-// torch.ops.batchrules.linear, which handles overrides and reports bad
-// arguments. torch.compile traces it through a polyfill (batchrules/ops.py).
+// torch.ops calls box their arguments, and the checks a Python entry needs to
+// choose between paths (compiling? __torch_function__?) cost as much again:
+// either made batchrules.linear 5-7% slower than F.linear (a generated C
+// binding) on small layers. So the choice is made here, and
+// batchrules.linear is a one-line Python def around this function (for its
+// signature, docstring, and vmap/compile, which inspect their callables).
+// Plain tensors (torch.Tensor or nn.Parameter exactly, no __torch_function__
+// mode) go unboxed to the dispatcher; anything else (a subclass with
+// __torch_function__, a mode, None) takes torch.ops.batchrules.linear, which
+// handles overrides and reports bad arguments; a non-tensor is a TypeError,
+// as for F.linear. torch.compile traces this function through a polyfill
+// (batchrules/ops.py).
 #include "ops.h"
 #include "routing.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
+#include <pybind11/gil_safe_call_once.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
@@ -27,11 +32,24 @@ bool plain_tensor(py::handle obj) {
   return THPVariable_CheckExact(obj.ptr());
 }
 
+// F.linear's message for an argument that is neither a tensor nor something
+// that overrides torch functions (such as an fx Proxy).
+void check_tensor_like(py::handle obj, const char* name, int position) {
+  if (!obj.is_none() && !THPVariable_Check(obj.ptr()) &&
+      !PyObject_HasAttrString(obj.ptr(), "__torch_function__")) {
+    throw py::type_error(std::string("linear(): argument '") + name + "' (position " +
+                         std::to_string(position) + ") must be Tensor, not " +
+                         Py_TYPE(obj.ptr())->tp_name);
+  }
+}
+
 py::object linear_entry(py::handle input, py::handle weight, py::handle bias) {
   if (plain_tensor(input) && plain_tensor(weight) && (bias.is_none() || plain_tensor(bias)) &&
       !at::impl::torch_function_mode_enabled()) {
-    const at::Tensor& x = THPVariable_Unpack(input.ptr());
-    const at::Tensor& w = THPVariable_Unpack(weight.ptr());
+    // Owned copies: the Python objects may be changed by other threads
+    // (swap_tensors) while the GIL is released.
+    const at::Tensor x = THPVariable_Unpack(input.ptr());
+    const at::Tensor w = THPVariable_Unpack(weight.ptr());
     std::optional<at::Tensor> b;
     if (!bias.is_none()) {
       b = THPVariable_Unpack(bias.ptr());
@@ -43,12 +61,18 @@ py::object linear_entry(py::handle input, py::handle weight, py::handle bias) {
     }
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
   }
-  // Leaked on purpose: a py::object destroyed at exit could outlive the interpreter.
-  static py::handle boxed = py::object(py::module_::import("torch")
-                                           .attr("ops").attr("batchrules").attr("linear")
-                                           .attr("default"))
-                                .release();
-  return boxed(input, weight, bias);
+  check_tensor_like(input, "input", 1);
+  check_tensor_like(weight, "weight", 2);
+  check_tensor_like(bias, "bias", 3);
+  // Looked up once, safely for threads that race here holding the GIL.
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> boxed;
+  const py::object& op = boxed
+                             .call_once_and_store_result([] {
+                               return py::module_::import("torch").attr("ops").attr(
+                                   "batchrules").attr("linear").attr("default");
+                             })
+                             .get_stored();
+  return op(input, weight, bias);
 }
 
 }  // namespace
@@ -61,18 +85,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether aten::linear is routed to batchrules::linear under torch.func transforms.");
   // See Note [Eager entry of batchrules.linear].
   m.def("linear", &linear_entry, py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(),
-        R"doc(``y = input @ weight.T + bias``, with the semantics of ``torch.nn.functional.linear``.
-
-Unlike ``F.linear`` it keeps its identity under every transform: it has its
-own backward (one ``batchrules::linear_backward`` call), double backward and
-forward-mode AD formulas, and vmap batching rules that run batched weights
-as one batched GEMM. Eager calls with plain tensors go straight to the
-dispatcher; tensor subclasses, ``__torch_function__`` modes and
-``torch.compile`` see ``torch.ops.batchrules.linear``.
-
-Args:
-    input (Tensor): ``(*, in_features)`` or ``(in_features,)``.
-    weight (Tensor): ``(out_features, in_features)`` or ``(in_features,)``.
-    bias (Tensor, optional): broadcastable to the output ``(*, out_features)``.
-)doc");
+        R"doc(The eager entry of batchrules.linear (see its docstring).)doc");
 }

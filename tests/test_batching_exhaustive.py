@@ -4,8 +4,8 @@ Every batch dim choice per tensor argument (None included), input ranks 1-3,
 1-D and 2-D weights, every bias shape F.linear accepts (absent, [O], [], [1],
 the 1-D-input quirk [1, O], biases with leading dims) and every non-empty
 output_mask, with out_dims cycling through all positions. Each result must also
-be contiguous per example, as eager's is, so that ``.view()`` works on it under
-vmap. The vmap fallback is off, so each case must be served by the batching rules. Sizes are small and
+be batch-first and contiguous per example, as eager's is, so that ``.view()``
+works on it under vmap. The vmap fallback is off, so each case must be served by the batching rules. Sizes are small and
 pairwise distinct so a wrong broadcast cannot pass by coincidence.
 """
 import itertools
@@ -91,6 +91,7 @@ def test_linear_every_in_dims(in_rank: int, w_rank: int) -> None:
                 assert_same(actual, expected, msg=label)
                 viewed = vmap(lambda *a: flat(batchrules.linear(*a)), in_dims)(x, w, b)
                 assert_same(viewed, expected.movedim(out_dims, 0).reshape(BATCH, -1), msg=label)
+                assert vmap(batchrules.linear, in_dims)(x, w, b).is_contiguous(), label
             except Exception as e:  # collect every failing case, report them together
                 failures.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0]}")
     assert cases > 0
@@ -133,6 +134,10 @@ def test_linear_backward_every_in_dims_and_mask(in_rank: int, w_rank: int) -> No
                               in_dims, out_dims=tuple(0 if m else None for m in mask))(x, g, w, mask)
                 assert_same(viewed, tuple(None if not m else t.movedim(d, 0).reshape(BATCH, -1)
                                           for t, m, d in zip(expected, mask, out_dims)), msg=label)
+                batch_first = vmap(batchrules.linear_backward, in_dims,
+                                   tuple(0 if m else None for m in mask))(x, g, w, mask)
+                assert all(t.is_contiguous() for t, m, b in zip(batch_first, mask, batched)
+                           if m and b), label
             except Exception as e:  # collect every failing case, report them together
                 failures.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0]}")
     assert not failures, f"{len(failures)}/{cases} cases failed:\n" + "\n".join(failures[:20])

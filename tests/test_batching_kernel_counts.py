@@ -56,6 +56,11 @@ LINEAR_CASES = {
     "nested_3_levels": (lambda f: vmap(vmap(vmap(f))),
                         (r(2, E, B, N, IN), r(2, E, B, OUT, IN), r(2, E, B, OUT)),
                         ["add", "bmm"]),
+    # A shared input batched at an enclosing level (per-sample data through an ensemble):
+    # one GEMM against the stacked weights for both levels and one copy to put the
+    # ensemble dim first, rather than the weights copied once per sample.
+    "per_sample_of_ensemble": (lambda f: vmap(vmap(f, (None, 0, 0)), (0, None, None)),
+                               (r(B, N, IN), r(E, OUT, IN), r(E, OUT)), ["addmm", "copy_"]),
     # An ensemble (outer) of models applied per sample (inner) to shared data.
     "ensemble_of_per_sample": (lambda f: vmap(vmap(f, (0, None, None)), (None, 0, 0)),
                                (r(B, N, IN), r(E, OUT, IN), r(E, OUT)), ["baddbmm"]),

@@ -8,6 +8,10 @@ from .targets import TargetCheck
 from .timing import Stats
 
 
+# The variants that run the vmapped user code.
+VMAPPED = ("stock", "batchrules")
+
+
 def fmt_time(seconds: Optional[float]) -> str:
     if seconds is None:
         return "-"
@@ -35,7 +39,9 @@ def variant_numbers(result: CaseResult, vr: VariantResult) -> Dict[str, Any]:
     """Every number of one variant, as stored in the JSON record."""
     s, k, c = vr.stats, vr.kernels, vr.check
     median = s.median if s else None
-    floor = result.floor.median if result.floor else None
+    # The floor is vmap's; it means something only for the variants that vmap.
+    vmapped = vr.name in VMAPPED and not result.case.scenario.startswith("eager")
+    floor = result.floor.median if result.floor and vmapped else None
     return {
         "median_s": median,
         "q1_s": s.quantile(0.25) if s else None,
@@ -87,8 +93,8 @@ def table(results: List[CaseResult]) -> str:
             n = variant_numbers(r, vr)
             err = f"{n['max_abs_err']:.1e}" + ("" if n["correct"] else "!")
             spread = f"{100 * n['iqr_s'] / n['median_s']:.0f}%" if n["median_s"] else "-"
-            vmapped = not r.case.scenario.startswith("eager") and name in ("stock", "batchrules")
-            above = fmt_time(n["above_vmap_floor_s"]) if r.case.tier == "small" and vmapped else ""
+            small = r.case.tier == "small" and n["above_vmap_floor_s"] is not None
+            above = fmt_time(n["above_vmap_floor_s"]) if small else ""
             lines.append(_row([
                 case, name, fmt_time(n["median_s"]), spread,
                 f"{n['speedup_vs_stock']:.2f}x" if n["speedup_vs_stock"] else "-",

@@ -51,11 +51,14 @@ class CaseResult:
         return paired_ratios(n, d) if n is not None and d is not None else None
 
     def ratio_above_floor(self, numerator: str, denominator: str) -> Optional[Stats]:
-        """Paired per-repeat ``time(numerator) / (time(denominator) - floor)``."""
+        """Paired per-repeat ``time(numerator) / (time(denominator) - floor)``, over
+        the repeats where the denominator took longer than the floor (in the others
+        noise made the difference meaningless); None if there are none."""
         n, d, f = self.stats(numerator), self.stats(denominator), self.floor
         if n is None or d is None or f is None:
             return None
-        return Stats([a / max(b - c, 1e-12) for a, b, c in zip(n.times, d.times, f.times)])
+        ratios = [a / (b - c) for a, b, c in zip(n.times, d.times, f.times) if b > c]
+        return Stats(ratios) if ratios else None
 
 
 def _error(exc: BaseException) -> str:
