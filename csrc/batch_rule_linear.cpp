@@ -88,7 +88,8 @@ BatchedResult shared_weight_gemm(const Tensor& input, std::optional<int64_t> inp
 // output to put the batch first. See Note [Nested vmap and fused GEMMs].
 BatchedResult stacked_weight_gemm(const Tensor& input, const Tensor& w,
                                   const std::optional<Tensor>& bias,
-                                  std::optional<int64_t> bias_bdim) {
+                                  std::optional<int64_t> bias_bdim,
+                                  c10::SymIntArrayRef out_shape) {
   const c10::SymInt batch = w.sym_size(0), out_features = w.sym_size(1);
   std::optional<Tensor> b;
   if (bias.has_value()) {
@@ -98,10 +99,8 @@ BatchedResult stacked_weight_gemm(const Tensor& input, const Tensor& w,
   }
   // M,I x I,B*O + B*O -> M,B*O
   const Tensor x2 = fold_leading_dims(input);
-  const Tensor out = dispatch_linear(x2, w.reshape_symint({batch * out_features, w.sym_size(2)}), b);
-  c10::SymDimVector out_shape{batch};
-  out_shape.insert(out_shape.end(), input.sym_sizes().begin(), input.sym_sizes().end() - 1);
-  out_shape.push_back(out_features);
+  const Tensor w2 = w.reshape_symint({batch * out_features, w.sym_size(2)});
+  const Tensor out = dispatch_linear(x2, w2, b);
   // M,B*O -> B,M,O
   const Tensor front = out.view_symint({x2.sym_size(0), batch, out_features}).transpose(0, 1);
   return {front.contiguous().view_symint(out_shape), 0};
@@ -112,22 +111,19 @@ BatchedResult batched_gemm(const Tensor& input, std::optional<int64_t> input_bdi
                            const Tensor& weight, int64_t weight_bdim,
                            const std::optional<Tensor>& bias, std::optional<int64_t> bias_bdim) {
   const Tensor w = move_bdim_to_front(weight, weight_bdim);
-  if (!input_bdim.has_value() &&
-      (batched_at_outer_level(input) || batched_at_outer_level(w) ||
-       (bias.has_value() && batched_at_outer_level(*bias)))) {
-    return stacked_weight_gemm(input, w, bias, bias_bdim);
-  }
   const c10::SymInt batch = w.sym_size(0);
   c10::SymDimVector out_shape{batch};
   const auto lead = logical_sizes(input, input_bdim);
   out_shape.insert(out_shape.end(), lead.begin(), lead.end() - 1);
   const c10::SymInt rows = numel_of(c10::SymIntArrayRef(out_shape).slice(1));
   out_shape.push_back(w.sym_size(1));
+  if (!input_bdim.has_value() &&
+      (batched_at_outer_level(input) || batched_at_outer_level(w) ||
+       (bias.has_value() && batched_at_outer_level(*bias)))) {
+    return stacked_weight_gemm(input, w, bias, bias_bdim, out_shape);
+  }
   // See Note [Contiguous per-example results] for why a shared input is expanded.
-  const Tensor x3 = input_bdim.has_value()
-                        ? move_bdim_to_front(input, input_bdim)
-                              .reshape_symint({batch, rows, w.sym_size(2)})
-                        : fold_leading_dims(input).expand_symint({batch, rows, w.sym_size(2)});
+  const Tensor x3 = batch_first_3d(input, input_bdim, batch, rows);  // [B, M, I]
   const Tensor wt = w.transpose(1, 2);  // [B, I, O]
   if (!bias.has_value()) {
     // B,M,I x B,I,O -> B,M,O

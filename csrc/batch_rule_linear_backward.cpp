@@ -34,17 +34,6 @@ struct Logical {
   c10::SymInt out_features;
 };
 
-// Physical [B, *lead, F] (batch dim anywhere) -> [B, M, F]; a shared
-// [*lead, F] -> [M, F] expanded to [batch, M, F].
-Tensor front_3d(const Tensor& t, std::optional<int64_t> bdim, const c10::SymInt& batch,
-                const Logical& s) {
-  if (!bdim.has_value()) {
-    return fold_leading_dims(t).expand_symint({batch, s.rows, t.sym_size(-1)});
-  }
-  const Tensor f = move_bdim_to_front(t, bdim);
-  return f.reshape_symint({batch, s.rows, f.sym_size(-1)});
-}
-
 BatchedResult grad_input_rule(const Tensor& g, std::optional<int64_t> g_bdim, const Tensor& w,
                               std::optional<int64_t> w_bdim, const Logical& s) {
   if (!w_bdim.has_value()) {
@@ -59,7 +48,7 @@ BatchedResult grad_input_rule(const Tensor& g, std::optional<int64_t> g_bdim, co
   out_shape.insert(out_shape.begin(), batch);
   out_shape.push_back(s.in_features);
   // B,M,O x B,O,I -> B,M,I
-  return {at::bmm(front_3d(g, g_bdim, batch, s), wf.conj()).view_symint(out_shape), 0};
+  return {at::bmm(batch_first_3d(g, g_bdim, batch, s.rows), wf.conj()).view_symint(out_shape), 0};
 }
 
 BatchedResult grad_weight_rule(const Tensor& g, std::optional<int64_t> g_bdim, const Tensor& x,
@@ -79,8 +68,8 @@ BatchedResult grad_weight_rule(const Tensor& g, std::optional<int64_t> g_bdim, c
     return {out.view_symint({batch, s.out_features, s.in_features}), 0};
   }
   const c10::SymInt batch = g_bdim.has_value() ? g.sym_size(*g_bdim) : x.sym_size(*x_bdim);
-  const Tensor gt = front_3d(g, g_bdim, batch, s).transpose(1, 2);  // [B, O, M]
-  const Tensor xc = front_3d(x, x_bdim, batch, s).conj();           // [B, M, I]
+  const Tensor gt = batch_first_3d(g, g_bdim, batch, s.rows).transpose(1, 2);  // [B, O, M]
+  const Tensor xc = batch_first_3d(x, x_bdim, batch, s.rows).conj();           // [B, M, I]
   if (s.rows == 1) {
     // Per-sample vectors: a batch of outer products, where a K=1 bmm runs
     // several times slower than one broadcast multiply.

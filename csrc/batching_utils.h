@@ -77,6 +77,19 @@ inline Tensor unfold_leading_dims(const Tensor& t, const Tensor& like) {
   return t.view_symint(sizes);
 }
 
+// Physical [.., B, .., F] (batch dim anywhere) -> [batch, rows, F], where rows
+// is the product of the logical leading dims; an unbatched [*lead, F] is
+// expanded to that shape (stride 0, not copied), for one bmm with a batched
+// operand.
+inline Tensor batch_first_3d(const Tensor& t, std::optional<int64_t> bdim,
+                             const c10::SymInt& batch, const c10::SymInt& rows) {
+  if (!bdim.has_value()) {
+    return fold_leading_dims(t).expand_symint({batch, rows, t.sym_size(-1)});
+  }
+  const Tensor f = move_bdim_to_front(t, bdim);
+  return f.reshape_symint({batch, rows, f.sym_size(-1)});
+}
+
 // Whether `t` is still batched at an enclosing vmap level, looking through
 // grad wrappers: every op on it is then batched again by functorch, which
 // has no batching rule for the fused addmm/baddbmm and decomposes them.
