@@ -39,9 +39,9 @@ def variant_numbers(result: CaseResult, vr: VariantResult) -> Dict[str, Any]:
     """Every number of one variant, as stored in the JSON record."""
     s, k, c = vr.stats, vr.kernels, vr.check
     median = s.median if s else None
-    # The floor is vmap's; it means something only for the variants that vmap.
-    vmapped = vr.name in VMAPPED and not result.case.scenario.startswith("eager")
-    floor = result.floor.median if result.floor and vmapped else None
+    # The floor is vmap's: it means something only for the variants that vmap
+    # (and only cases that vmap have one).
+    floor = result.floor.median if result.floor and vr.name in VMAPPED else None
     return {
         "median_s": median,
         "q1_s": s.quantile(0.25) if s else None,

@@ -4,9 +4,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
-from torch.func import vmap
 
-from .case import Case, Variant
+from .case import Case, Variant, vmap_identity
 from .check import CheckResult, compare
 from .kernels import KernelCounts, count_kernels
 from .memory import peak_extra_bytes
@@ -112,7 +111,5 @@ def run_case(
 def measure_vmap_floor(device: torch.device, plan: TimingPlan) -> Stats:
     """Time of ``vmap`` over a function returning its input: the fixed cost
     any vmapped call pays, whatever its body."""
-    x = torch.randn(8, 16, device=device)
-    identity = vmap(lambda t: t)
-    floor = Variant("vmap_floor", lambda: identity(x))
-    return time_interleaved([floor], plan, synchronizer(device))["vmap_floor"]
+    floor = Variant(FLOOR, vmap_identity((0,), (torch.randn(8, 16, device=device),)))
+    return time_interleaved([floor], plan, synchronizer(device))[FLOOR]

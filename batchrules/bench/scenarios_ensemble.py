@@ -95,7 +95,8 @@ def _train_case(size: EnsembleSize) -> Case:
         def member_loss(p: Dict[str, Tensor], b: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
             return mse(functional_call(base, (p, b), (xi,)), yi)
 
-        ensemble_grads = vmap(grad(member_loss), in_dims=(0, 0, 0, 0))
+        in_dims = (0, 0, 0, 0)
+        ensemble_grads = vmap(grad(member_loss), in_dims=in_dims)
         layers = _layers(params, size.spec)
 
         def reference() -> List[Tensor]:
@@ -116,7 +117,7 @@ def _train_case(size: EnsembleSize) -> Case:
                 Variant("limit", lambda: limits.ensemble_mse_grads(layers, size.spec.act, x, y)),
             ],
             reference=reference,
-            floor=vmap_identity((0, 0, 0, 0), (params, buffers, x, y), returned=0),
+            floor=vmap_identity(in_dims, (params, buffers, x, y), returned=0),
         )
 
     return Case(
