@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import batchrules
-from batching_reference import assert_same
+from batching_reference import assert_same, physical_shape
 
 B, E, T, IN, OUT = 4, 3, 5, 6, 7
 DTYPE = torch.float64
@@ -166,12 +166,7 @@ def test_vmap_chunk_size(linear) -> None:
     ((1, None, None), 1), ((2, 0, None), 0), ((None, 2, 0), 2), ((1, 1, 1), -1)])
 def test_in_dims_out_dims(linear, in_dims, out_dims) -> None:
     logical = {0: (T, IN), 1: (OUT, IN), 2: (OUT,)}
-    args = []
-    for k, d in enumerate(in_dims):
-        shape = list(logical[k])
-        if d is not None:
-            shape.insert(d, B)
-        args.append(rand(*shape))
+    args = [rand(*physical_shape(logical[k], d, B)) for k, d in enumerate(in_dims)]
     actual = vmap(lambda x, w, b: model(linear, x, w, b), in_dims, out_dims)(*args)
     examples = [[a if d is None else a.select(d, i) for a, d in zip(args, in_dims)]
                 for i in range(B)]

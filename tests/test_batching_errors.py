@@ -3,8 +3,7 @@
 The batch dim is size 3 in every case and never a size of the logical shapes,
 so a message quoting physical shapes (or a wrong broadcast) is caught.
 """
-import re
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 from torch.func import grad, vmap
 
 import batchrules
+from batching_reference import physical_shape
 
 B = 3
 MASK = (True, True, True)
@@ -38,12 +38,7 @@ def expect_error(fn: Callable, *fragments: str, physical: Sequence[str] = ()) ->
 @pytest.mark.parametrize("in_dims", [(0, 0), (0, None), (None, 0), (1, 2)])
 def test_feature_mismatch_names_logical_shapes(in_dims) -> None:
     shapes = {0: (5, 4), 1: (6, 2)}
-    args = []
-    for k, d in enumerate(in_dims):
-        shape = list(shapes[k])
-        if d is not None:
-            shape.insert(d, B)
-        args.append(r(*shape))
+    args = [r(*physical_shape(shapes[k], d, B)) for k, d in enumerate(in_dims)]
     expect_error(lambda: vmap(batchrules.linear, in_dims)(*args),
                  "batchrules.linear", "input [5, 4]", "weight [6, 2]",
                  physical=["[3, 5, 4]", "[5, 3, 4]", "[6, 2, 3]", "[3, 6, 2]"])

@@ -5,7 +5,7 @@ Sizes include 0 and 1 (empty leading dims, empty features, size-1 dims that
 F.linear's fast paths squeeze), layouts include transposed, strided and
 stride-0 batch dims. Runs derandomized with bounded examples for CI.
 """
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import pytest
 import torch

@@ -97,17 +97,20 @@ def test_compile_traces_the_operator_through_the_polyfill() -> None:
     assert torch.ops.batchrules.linear.default in targets
 
 
+class OneLinear(torch.nn.Module):
+    """An nn.Linear's parameters applied with batchrules.linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return batchrules.linear(x, self.lin.weight, self.lin.bias)
+
+
 def test_fx_and_jit_trace_see_the_c_entry() -> None:
     """torch.fx's proxies take the torch.ops path and record the op; jit.trace records it too."""
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = torch.nn.Linear(3, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return batchrules.linear(x, self.lin.weight, self.lin.bias).relu()
-
-    net, x = Net(), torch.randn(2, 3)
+    net, x = OneLinear(), torch.randn(2, 3)
     expected = net(x)
     traced = torch.fx.symbolic_trace(net)
     assert any(n.target is torch.ops.batchrules.linear.default for n in traced.graph.nodes)
@@ -120,15 +123,7 @@ def test_fx_and_jit_trace_see_the_c_entry() -> None:
 # torch.export's own pytree code warns in 2.13.
 @pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning")
 def test_export_keeps_the_op_and_run_decompositions_lowers_it() -> None:
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = torch.nn.Linear(3, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return batchrules.linear(x, self.lin.weight, self.lin.bias)
-
-    net, x = Net(), torch.randn(2, 3)
+    net, x = OneLinear(), torch.randn(2, 3)
     exported = torch.export.export(net, (x,))
     ops = [n.target for n in exported.graph.nodes if n.op == "call_function"]
     assert ops == [torch.ops.batchrules.linear.default]
