@@ -38,7 +38,7 @@ setup(
     ext_modules=[
         CppExtension(
             "batchrules._C",
-            sorted(glob.glob("csrc/*.cpp")),
+            sorted(glob.glob("csrc/**/*.cpp", recursive=True)),
             include_dirs=[os.path.abspath("csrc")] + nlohmann_include_dirs(),
             extra_compile_args={"cxx": cxx_flags},
             extra_link_args=["-g"] if debug else [],

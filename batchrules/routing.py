@@ -21,6 +21,7 @@ import threading
 from typing import Iterator
 
 from . import _C
+from ._compat import load_functorch_vmap_decompositions
 
 ENABLE_ENV_VAR = "BATCHRULES_ENABLE"
 _ENV_ON = frozenset({"1", "true", "yes", "on"})
@@ -36,6 +37,8 @@ def enable() -> None:
 
     Idempotent, silent and process-wide.
     """
+    # See Note [Routing aten ops only while transforms are active] (csrc/routing.cpp).
+    load_functorch_vmap_decompositions()
     with _lock:
         _C._set_routing_enabled(True)
 
@@ -61,6 +64,7 @@ def enabled(on: bool = True) -> Iterator[None]:
     """
     if not isinstance(on, bool):
         raise TypeError(f"batchrules.enabled(on) expects a bool, got {type(on).__name__}")
+    load_functorch_vmap_decompositions()
     with _lock:
         previous = _C._routing_enabled()
         _C._set_routing_enabled(on)

@@ -1,11 +1,22 @@
-// Opt-in routing of aten::linear to batchrules::linear under torch.func.
+// Opt-in routing of aten ops to batchrules' kernels under torch.func.
 #pragma once
+
+#include <torch/library.h>
 
 namespace batchrules {
 
 // Process-wide and idempotent; concurrent calls are serialized.
-// See Note [Routing aten::linear only while transforms are active].
+// See Note [Routing aten ops only while transforms are active].
 void set_routing_enabled(bool enabled);
 bool routing_enabled();
+
+// Where an op family puts its kernels for aten ops while routing is on.
+struct RouteLibraries {
+  torch::Library& front_mode;  // aten, FuncTorchDynamicLayerFrontMode
+  torch::Library& batched;     // aten, FuncTorchBatched
+};
+
+// One per op family, each in <family>/routes.cpp.
+void add_linear_routes(RouteLibraries& libs);
 
 }  // namespace batchrules

@@ -1,4 +1,4 @@
-#include "shape_checks.h"
+#include "linear/shape_checks.h"
 
 #include <c10/util/Exception.h>
 

@@ -2,7 +2,7 @@
 // physical tensors with their optional batch dim in, (result, bdim) out.
 #pragma once
 
-#include "batching_utils.h"
+#include "common/batching_utils.h"
 
 #include <array>
 #include <optional>

@@ -18,8 +18,8 @@
 // results]. Every kernel here has a functorch batching rule that folds
 // enclosing vmap levels into the same kernel (mm, bmm, sum).
 // A 1-D weight runs as [1, I]; see Note [1-D weight as a one-row matrix].
-#include "batch_rules.h"
-#include "shape_checks.h"
+#include "linear/batch_rules.h"
+#include "linear/shape_checks.h"
 
 #include <ATen/ATen.h>
 

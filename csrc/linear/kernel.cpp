@@ -9,9 +9,9 @@
 // GEMM row dimension: grad_input and grad_weight are one mm each, grad_bias one
 // reduction. The code is SymInt-aware so FakeTensor and dynamic-shape
 // torch.compile can run it directly; no separate fake kernel is needed.
-#include "batching_utils.h"
+#include "common/batching_utils.h"
 #include "ops.h"
-#include "shape_checks.h"
+#include "linear/shape_checks.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>

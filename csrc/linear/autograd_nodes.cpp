@@ -1,4 +1,4 @@
-#include "autograd_nodes.h"
+#include "linear/autograd_nodes.h"
 
 #include "ops.h"
 

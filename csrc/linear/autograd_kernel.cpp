@@ -1,6 +1,6 @@
-// Autograd-key kernels: explicit backward and forward-mode formulas.
-// See Note [Hand-written autograd nodes].
-#include "autograd_nodes.h"
+// Autograd-key kernels of the linear family: explicit backward and
+// forward-mode formulas. See Note [Hand-written autograd nodes].
+#include "linear/autograd_nodes.h"
 #include "ops.h"
 
 #include <ATen/ATen.h>
@@ -12,17 +12,6 @@ namespace batchrules {
 namespace {
 
 using torch::autograd::SavedVariable;
-
-// The tensor a forward-mode formula computes with: the primal of a dual
-// tensor (level 0, the level torch.func.jvp and forward_ad use), so the
-// tangent computation does not itself carry tangents.
-Tensor primal(const Tensor& t) {
-  return t.defined() && t._fw_grad(0).defined() ? t._fw_primal(0) : t;
-}
-
-Tensor tangent(const Tensor& t) {
-  return t.defined() ? t._fw_grad(0) : Tensor();
-}
 
 // Does linear_backward's grad_bias (grad_output summed over leading dims)
 // already have the bias's shape?

@@ -42,9 +42,9 @@
 // Note [1-D weight as a one-row matrix]
 // A 1-D weight [I] is run as the [1, I] matrix with the bias given a trailing
 // 1 dim; the out dim (size 1) is squeezed from the result.
-#include "batch_rules.h"
+#include "linear/batch_rules.h"
 #include "ops.h"
-#include "shape_checks.h"
+#include "linear/shape_checks.h"
 
 #include <ATen/ATen.h>
 

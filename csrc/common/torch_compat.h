@@ -1,0 +1,31 @@
+// Differences between the torch releases batchrules builds against.
+//
+// Every place where an internal of torch changed between supported releases
+// goes through this header, so a new release is one file to read and patch.
+#pragma once
+
+#include <torch/csrc/autograd/function.h>
+
+#include <memory>
+#include <type_traits>
+
+namespace batchrules {
+
+// Autograd nodes are owned through c10::intrusive_ptr in torch >= 2.13 and
+// through std::shared_ptr in older releases (e.g. the 2.11 CUDA builds).
+constexpr bool kIntrusiveNodes =
+    std::is_base_of_v<c10::intrusive_ptr_target, torch::autograd::Node>;
+
+template <class T>
+using NodePtr = std::conditional_t<kIntrusiveNodes, c10::intrusive_ptr<T>, std::shared_ptr<T>>;
+
+template <class T>
+NodePtr<T> make_node() {
+  if constexpr (kIntrusiveNodes) {
+    return c10::make_intrusive<T>();
+  } else {
+    return std::make_shared<T>();
+  }
+}
+
+}  // namespace batchrules
