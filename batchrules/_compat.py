@@ -16,3 +16,12 @@ def load_functorch_vmap_decompositions() -> None:
     from torch._functorch.vmap import lazy_load_decompositions
 
     lazy_load_decompositions()
+
+
+def dispatch_has_kernel(qualified_name: str, dispatch_key: str) -> bool:
+    """Whether ``qualified_name`` (``"aten::op"``) has a kernel of its own for
+    ``dispatch_key`` (a fallback does not count): e.g. whether functorch has a
+    batching rule (``"FuncTorchBatched"``)."""
+    import torch
+
+    return torch._C._dispatch_has_kernel_for_dispatch_key(qualified_name, dispatch_key)
