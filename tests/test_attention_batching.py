@@ -83,8 +83,8 @@ def test_fused_backward_every_in_dims(mask_name: str, grad_out_bdim: Optional[in
 def test_backward_undefined_grad_out_stays_undefined() -> None:
     q, k, v, _ = attention_args(None, (0, 0, 0))
     out, lse = vmap(flash)(q, k, v)
-    got = vmap(lambda q, k, v, o, l: FLASH_CPU_BACKWARD(None, q, k, v, o, l, 0.0, False))(
-        q, k, v, out, lse)
+    got = vmap(lambda q, k, v, o, l: FLASH_CPU_BACKWARD(None, q, k, v, o, l, 0.0, False),
+               out_dims=None)(q, k, v, out, lse)
     assert got == (None, None, None)
 
 

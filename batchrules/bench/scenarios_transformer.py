@@ -9,7 +9,7 @@ w.r.t. each stacked copy is that member's (sample's) gradient. Attention runs
 the fused SDPA kernel on the folded [stack * batch, H, T, hd] batch, as the
 batchrules rule does under vmap.
 """
-import copy
+import warnings
 from typing import Dict, List, Optional
 
 import torch
@@ -79,25 +79,35 @@ def limit_ensemble_grads(params: Dict[str, Tensor], x: Tensor, y: Tensor) -> Lis
 
 def _opacus_variant(model: nn.Module, x: Tensor, y: Tensor) -> Optional[Variant]:
     """Opacus with its DPMultiheadAttention (ModuleValidator.fix); gradients of the
-    split q/k/v projections are concatenated back into in_proj's layout."""
+    split q/k/v projections are concatenated back into in_proj's layout.
+
+    Runs the layer sequence-first: Opacus 1.6's DPMultiheadAttention with
+    batch_first=True merges the heads in the wrong order (its output differs from
+    nn.MultiheadAttention's), sequence-first it computes the same function."""
     try:
         from opacus import GradSampleModule
         from opacus.validators import ModuleValidator
     except ImportError:
         return None
-    fixed = ModuleValidator.fix(copy.deepcopy(model))
-    module = GradSampleModule(fixed, batch_first=True, loss_reduction="sum")
+    seq_first = nn.TransformerEncoderLayer(D_MODEL, NHEAD, dim_feedforward=FFN, dropout=0.0,
+                                           batch_first=False).to(x.device)
+    seq_first.load_state_dict(model.state_dict())
+    fixed = ModuleValidator.fix(seq_first)
+    module = GradSampleModule(fixed, batch_first=False, loss_reduction="sum")
     mha = fixed.self_attn
     split_w = [mha.qlinear.weight, mha.klinear.weight, mha.vlinear.weight]
     split_b = [mha.qlinear.bias, mha.klinear.bias, mha.vlinear.bias]
-    ordered = [fixed.self_attn.out_proj.weight, fixed.self_attn.out_proj.bias,
-               fixed.linear1.weight, fixed.linear1.bias, fixed.linear2.weight, fixed.linear2.bias,
-               fixed.norm1.weight, fixed.norm1.bias, fixed.norm2.weight, fixed.norm2.bias]
+    ordered = [mha.out_proj.weight, mha.out_proj.bias, fixed.linear1.weight, fixed.linear1.bias,
+               fixed.linear2.weight, fixed.linear2.bias, fixed.norm1.weight, fixed.norm1.bias,
+               fixed.norm2.weight, fixed.norm2.bias]
+    x_t, y_t = x.transpose(0, 1), y.transpose(0, 1)  # T, B, d
 
     def step() -> List[Tensor]:
-        # per-sample mean squared error, summed: each sample's gradient is its own
-        loss = (module(x) - y).pow(2).mean(dim=(1, 2)).sum()
-        loss.backward()
+        with warnings.catch_warnings():
+            # The hooks fire on module outputs because x needs no grad: intended.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            # per-sample mean squared error, summed: each sample's gradient is its own
+            (module(x_t) - y_t).pow(2).mean(dim=(0, 2)).sum().backward()
         grads = [torch.cat([w.grad_sample for w in split_w], dim=1),
                  torch.cat([b.grad_sample for b in split_b], dim=1)]
         grads += [p.grad_sample for p in ordered]
