@@ -32,8 +32,9 @@ CPU = torch.device("cpu")
 TWINS = ("stock_compiled", "batchrules_compiled")
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def run_cli(*args: str, **env_vars: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **env_vars)
     return subprocess.run([sys.executable, "-m", "batchrules.bench", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -122,13 +123,27 @@ def test_smoke_kernels_per_linear_forward(smoke_record: dict) -> None:
 
 
 def test_cli_list_and_unmatched_filter() -> None:
-    listed = run_cli("--smoke", "--list")
-    assert listed.returncode == 0 and "psg_cnn/b8" in listed.stdout
+    proc = run_cli("--quick", "--list")
+    assert proc.returncode == 0 and "psg_cnn/b8" in proc.stdout
     assert run_cli("--only", "no_such_case").returncode == 2
-    listed = run_cli("--quick", "--list").stdout.splitlines()
+    listed = proc.stdout.splitlines()
     assert [line.split()[2] for line in listed if "/small" in line] == ["compiled"] * sum(
         "/small" in line for line in listed)
     assert all(line.split()[2] == "eager" for line in listed if " large " in line or " medium " in line)
+
+
+def test_cli_without_cpp_compiler_skips_twins(tmp_path: Path) -> None:
+    """Where torch.compile cannot work at all (here: no C++ compiler), the bench
+    says so once and runs the eager variants."""
+    out = tmp_path / "no_cxx.json"
+    proc = run_cli("--smoke", "--only", "eager_linear_fwd/small", "--json", str(out),
+                   CXX="/nonexistent/g++")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no compiled twins were run, the compiler warm-up did not compile" in proc.stdout
+    record = json.loads(out.read_text())
+    assert record["config"]["compiled"]["tiers"] == []
+    assert record["config"]["compiled"]["warm_up_error"].startswith("did not compile: ")
+    assert set(record["cases"][0]["variants"]) == {"stock", "batchrules", "stock_routed"}
 
 
 def test_compiled_tiers_per_mode_and_flag() -> None:

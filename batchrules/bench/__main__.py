@@ -11,7 +11,7 @@ import torch
 
 from . import scenarios_eager, scenarios_ensemble, scenarios_hyper, scenarios_psg
 from .case import TIERS, Case
-from .compiled import private_inductor_cache, warm_up_compiler
+from .compiled import compile_failure, private_inductor_cache, warm_up_compiler
 from .kernels import eager_linear_kernels
 from .machine import machine_info
 from .opacus_variant import opacus_missing_reason
@@ -51,7 +51,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     )
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                      help="named and small sizes, short timing (default; under 2 min on 2 idle cores)")
+                      help="named and small sizes, short timing, compiled twins of the small tier (default)")
     size.add_argument("--full", dest="mode", action="store_const", const="full",
                       help="all sizes, long timing")
     size.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
@@ -123,16 +123,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         plan = dataclasses.replace(plan, budget_s=args.budget)
     start = time.perf_counter()
     any_compiled = any(c.tier in tiers for c in cases)
-    progress = Progress(len(cases) + 1 + any_compiled)
+    progress = Progress(len(cases) + 1 + int(any_compiled))
     progress.stage("vmap floor", "timing")
     floor = measure_vmap_floor(device, plan)
     progress.done("vmap floor")
     results: List[CaseResult] = []
-    warm_up_s = None
+    warm_up_s, compile_broken = None, None
     with private_inductor_cache() if any_compiled else contextlib.nullcontext():
         if any_compiled:
             progress.stage("compile warm-up", "compiling")
-            warm_up_s = warm_up_compiler(device)
+            try:
+                warm_up_s = warm_up_compiler(device)
+            except Exception as exc:  # no C++ compiler, broken Inductor install, ...
+                compile_broken = compile_failure(exc)
+                tiers, any_compiled = (), False
             progress.done("compile warm-up")
         for case in cases:
             results.append(run_case(case, device, plan, lambda s, n=case.name: progress.stage(n, s),
@@ -144,6 +148,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     checks = evaluate(results, linear_floor)
     print(f"\nvmap floor (vmap over identity of one tensor): {floor.median * 1e6:.1f}us "
           f"(IQR {floor.iqr * 1e6:.1f}us); each case's own, for its inputs, is in -floor\n")
+    if compile_broken:
+        print(f"note: no compiled twins were run, the compiler warm-up {compile_broken}\n")
     if any_compiled:
         print(f"compiled twins ({', '.join(tiers)} tiers): torch.compile(fullgraph=True), Inductor, "
               f"caches off (every twin compiles from scratch); compile = wall time of the first call, "
@@ -156,8 +162,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if limit_ratios:
         print(limit_ratios_text(limit_ratios))
     ok = all_correct(results)
-    print(f"\n{'all variants match the float64 reference' if ok else 'SOME VARIANTS FAILED (see !/ERROR rows)'}; "
-          f"{time.perf_counter() - start:.0f}s")
+    verdict = ("all variants match the float64 reference" if ok
+               else "SOME VARIANTS FAILED (see !, ERROR and did-not-compile rows)")
+    print(f"\n{verdict}; {time.perf_counter() - start:.0f}s")
     if args.json:
         machine["load_average_at_end"] = machine_info(device)["load_average_1m_5m_15m"]
         machine["eager_linear_kernels"] = linear_floor
@@ -166,7 +173,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   "compiled": {"tiers": list(tiers), "fullgraph": True, "backend": "inductor",
                                "caches": "disabled (torch.compiler.config.force_disable_caches)",
                                "compile_time": "wall time of the first call",
-                               "warm_up_s": warm_up_s}}
+                               "warm_up_s": warm_up_s, "warm_up_error": compile_broken}}
         with open(args.json, "w") as f:
             f.write(to_json(results, floor, checks, machine, config, limit_ratios))
         print(f"wrote {args.json}")
