@@ -151,7 +151,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if compile_broken:
         print(f"note: no compiled twins were run, the compiler warm-up {compile_broken}\n")
     if any_compiled:
-        print(f"compiled twins ({', '.join(tiers)} tiers): torch.compile(fullgraph=True), Inductor, "
+        print(f"compiled twins (tiers: {', '.join(tiers)}): torch.compile(fullgraph=True), Inductor, "
               f"caches off (every twin compiles from scratch); compile = wall time of the first call, "
               f"excluded from the timings; one-off compiler warm-up {warm_up_s:.1f}s\n")
     print(table(results))

@@ -25,8 +25,9 @@ bench removes at exit), so neither the user's on-disk cache nor a twin compiled
 earlier in the run is reused. The one-off cost of the first compilation in a
 process (imports, compiler detection) is paid by a warm-up compile before the
 cases and reported on its own. A second call under the ``fail_on_recompile``
-stance checks that the compiled code is reused, so no compilation happens
-while the step is timed.
+stance checks that the compiled code is reused (the peak-memory run, under
+the profiler, is checked the same way), so no compilation happens while the
+step is timed.
 """
 import contextlib
 import os
@@ -34,7 +35,7 @@ import tempfile
 import time
 import types
 import warnings
-from typing import Any, Callable, Iterator, Tuple, Union
+from typing import Any, Callable, ContextManager, Iterator, Tuple, Union
 
 import torch
 
@@ -80,9 +81,14 @@ def compile_now(twin: Variant, sync: Callable[[], None]) -> Tuple[Any, float]:
         return result, time.perf_counter() - start
 
 
+def no_recompile() -> ContextManager[None]:
+    """Within the block, a call of a compiled twin that would compile anew raises."""
+    return torch.compiler.set_stance("fail_on_recompile")
+
+
 def check_no_recompile(twin: Variant) -> None:
     """Calls the compiled twin again; raises if that would compile anew."""
-    with twin.context(), torch.compiler.set_stance("fail_on_recompile"):
+    with twin.context(), no_recompile():
         twin.fn()
 
 

@@ -7,7 +7,8 @@ import torch
 
 from .case import Case, Variant, vmap_identity
 from .check import CheckResult, compare
-from .compiled import check_no_recompile, compile_failure, compile_now, compiled_twin, twin_name
+from .compiled import (check_no_recompile, compile_failure, compile_now, compiled_twin, no_recompile,
+                       twin_name)
 from .kernels import KernelCounts, count_kernels
 from .memory import peak_extra_bytes
 from .timing import Stats, TimingPlan, paired_ratios, synchronizer, time_interleaved
@@ -105,7 +106,8 @@ def _prepare_twin(source: Variant, vr: VariantResult, reference: Any,
         vr.check = compare(result, reference, RTOL)
         del result
         check_no_recompile(twin)
-        vr.peak_bytes = peak_extra_bytes(twin, device)
+        with no_recompile():
+            vr.peak_bytes = peak_extra_bytes(twin, device)
     except Exception as exc:
         vr.error = _error(exc)
         return None
