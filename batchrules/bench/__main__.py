@@ -1,24 +1,26 @@
 """CLI: ``python -m batchrules.bench [--quick|--full|--smoke] [--device cuda]
-[--only NAME] [--json PATH] [--plot PATH.png]``. See ``--help``."""
+[--only NAME] [--compiled|--no-compiled] [--json PATH] [--plot PATH.png]``. See ``--help``."""
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
 from . import (scenarios_eager, scenarios_ensemble, scenarios_hyper, scenarios_psg,
                scenarios_transformer)
-from .case import Case
+from .case import TIERS, Case
+from .compiled import compile_failure, private_inductor_cache, warm_up_compiler
 from .kernels import eager_linear_kernels
 from .machine import machine_info
 from .opacus_variant import opacus_missing_reason
 from .plot import plot_speedups
 from .progress import Progress
-from .report import all_correct, table, targets_text, to_json
+from .report import all_correct, limit_ratios_text, table, targets_text, to_json
 from .runner import RTOL, CaseResult, measure_vmap_floor, run_case
-from .targets import evaluate
+from .targets import compiled_limit_ratios, evaluate
 from .timing import TimingPlan
 
 PLANS = {
@@ -28,6 +30,10 @@ PLANS = {
     "quick": TimingPlan(block_s=0.01, budget_s=1.0, min_repeats=5, max_repeats=25, warmup_calls=0),
     "full": TimingPlan(block_s=0.05, budget_s=10.0, min_repeats=15, max_repeats=200, warmup_calls=3),
 }
+# The tiers whose cases get compiled twins unless --compiled / --no-compiled says
+# otherwise: compiling costs ~10-30 s of CPU per twin on a 2-core machine, so
+# --quick compiles the small (overhead-bound) rows only, where compile matters most.
+COMPILED_TIERS = {"smoke": ("small",), "quick": ("small",), "full": TIERS}
 
 
 def all_cases(mode: str) -> List[Case]:
@@ -47,7 +53,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     )
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                      help="named and small sizes, short timing (default; under 2 min on 2 idle cores)")
+                      help="named and small sizes, short timing, compiled twins of the small tier (default)")
     size.add_argument("--full", dest="mode", action="store_const", const="full",
                       help="all sizes, long timing")
     size.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
@@ -56,6 +62,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--only", action="append", metavar="NAME",
                    help="run the cases whose scenario/size contains NAME (repeatable)")
+    p.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
+                   help="add torch.compile'd twins (stock_compiled, batchrules_compiled) of the user "
+                        "code to every case (--compiled) or to none (--no-compiled); default: --full "
+                        "and --smoke all cases, --quick the small tier only (each twin compiles from "
+                        "scratch, ~10-30 s of CPU here; compile time is reported, not timed)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads before running")
     p.add_argument("--budget", type=float, metavar="SECONDS",
                    help="timing budget per case (overrides the mode's; repeats stay within its bounds)")
@@ -65,14 +76,22 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def compiled_tiers(mode: str, compiled: Optional[bool]) -> Sequence[str]:
+    """The tiers that get compiled twins (``compiled``: the --[no-]compiled flag)."""
+    if compiled is None:
+        return COMPILED_TIERS[mode]
+    return TIERS if compiled else ()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     cases = all_cases(args.mode)
     if args.only:
         cases = [c for c in cases if any(o in c.name for o in args.only)]
+    tiers = compiled_tiers(args.mode, args.compiled)
     if args.list:
         for c in cases:
-            print(f"{c.name:32} {c.tier:7} {c.description}")
+            print(f"{c.name:32} {c.tier:7} {'compiled' if c.tier in tiers else 'eager   '} {c.description}")
         return 0
     if not cases:
         print(f"no case matches --only {args.only}", file=sys.stderr)
@@ -105,34 +124,60 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.budget is not None:
         plan = dataclasses.replace(plan, budget_s=args.budget)
     start = time.perf_counter()
-    progress = Progress(len(cases) + 1)
+    any_compiled = any(c.tier in tiers for c in cases)
+    progress = Progress(len(cases) + 1 + int(any_compiled))
     progress.stage("vmap floor", "timing")
     floor = measure_vmap_floor(device, plan)
     progress.done("vmap floor")
     results: List[CaseResult] = []
-    for case in cases:
-        results.append(run_case(case, device, plan, lambda s, n=case.name: progress.stage(n, s)))
-        progress.done(case.name)
+    warm_up_s, compile_broken = None, None
+    with private_inductor_cache() if any_compiled else contextlib.nullcontext():
+        if any_compiled:
+            progress.stage("compile warm-up", "compiling")
+            try:
+                warm_up_s = warm_up_compiler(device)
+            except Exception as exc:  # no C++ compiler, broken Inductor install, ...
+                compile_broken = compile_failure(exc)
+                tiers, any_compiled = (), False
+            progress.done("compile warm-up")
+        for case in cases:
+            results.append(run_case(case, device, plan, lambda s, n=case.name: progress.stage(n, s),
+                                    compiled=case.tier in tiers))
+            progress.done(case.name)
     progress.close()
 
     linear_floor = eager_linear_kernels(device)
     checks = evaluate(results, linear_floor)
     print(f"\nvmap floor (vmap over identity of one tensor): {floor.median * 1e6:.1f}us "
           f"(IQR {floor.iqr * 1e6:.1f}us); each case's own, for its inputs, is in -floor\n")
+    if compile_broken:
+        print(f"note: no compiled twins were run, the compiler warm-up {compile_broken}\n")
+    if any_compiled:
+        print(f"compiled twins (tiers: {', '.join(tiers)}): torch.compile(fullgraph=True), Inductor, "
+              f"caches off (every twin compiles from scratch); compile = wall time of the first call, "
+              f"excluded from the timings; one-off compiler warm-up {warm_up_s:.1f}s\n")
     print(table(results))
     print(f"(k/lin: kernels per linear forward call; an eager F.linear with bias is {linear_floor} here)")
     print("\nTargets (measured, not asserted):")
     print(targets_text(checks))
+    limit_ratios = compiled_limit_ratios(results)
+    if limit_ratios:
+        print(limit_ratios_text(limit_ratios))
     ok = all_correct(results)
-    print(f"\n{'all variants match the float64 reference' if ok else 'SOME VARIANTS FAILED (see !/ERROR rows)'}; "
-          f"{time.perf_counter() - start:.0f}s")
+    verdict = ("all variants match the float64 reference" if ok
+               else "SOME VARIANTS FAILED (see !, ERROR and did-not-compile rows)")
+    print(f"\n{verdict}; {time.perf_counter() - start:.0f}s")
     if args.json:
         machine["load_average_at_end"] = machine_info(device)["load_average_1m_5m_15m"]
         machine["eager_linear_kernels"] = linear_floor
         config = {"mode": args.mode, "device": str(device), "only": args.only, "rtol": RTOL,
-                  "timing_plan": vars(plan), "argv": sys.argv[1:] if argv is None else argv}
+                  "timing_plan": vars(plan), "argv": sys.argv[1:] if argv is None else argv,
+                  "compiled": {"tiers": list(tiers), "fullgraph": True, "backend": "inductor",
+                               "caches": "disabled (torch.compiler.config.force_disable_caches)",
+                               "compile_time": "wall time of the first call",
+                               "warm_up_s": warm_up_s, "warm_up_error": compile_broken}}
         with open(args.json, "w") as f:
-            f.write(to_json(results, floor, checks, machine, config))
+            f.write(to_json(results, floor, checks, machine, config, limit_ratios))
         print(f"wrote {args.json}")
     if args.plot:
         message = plot_speedups(results, args.plot)

@@ -18,11 +18,15 @@ class Variant:
     ``fn`` runs one step and returns its result (a tensor, or a tuple/list/dict
     of tensors) in the same order as the case's reference. ``routing`` is the
     batchrules routing state the step runs under (None: irrelevant, left off).
+    ``user_code``: ``fn`` is the user's own code (a plain Python function), as
+    they would hand it to ``torch.compile``; the runner then adds a compiled
+    twin ``<name>_compiled`` (See Note [Compiled twins] in ``compiled.py``).
     """
 
     name: str
     fn: Callable[[], Any]
     routing: Optional[bool] = None
+    user_code: bool = False
 
     def context(self) -> ContextManager[None]:
         """The routing state this variant is run (and profiled) under."""

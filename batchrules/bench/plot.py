@@ -3,7 +3,7 @@ from typing import List, Optional
 
 from .runner import CaseResult
 
-BAR_VARIANTS = ("batchrules", "limit", "opacus", "stock_routed")
+BAR_VARIANTS = ("batchrules", "limit", "opacus", "stock_routed", "stock_compiled", "batchrules_compiled")
 
 
 def plot_speedups(results: List[CaseResult], path: str) -> Optional[str]:

@@ -1,12 +1,14 @@
 """Runs one case: check every variant, count its kernels and memory, time them."""
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from .case import Case, Variant, vmap_identity
 from .check import CheckResult, compare
+from .compiled import (check_no_recompile, compile_failure, compile_now, compiled_twin, no_recompile,
+                       twin_name)
 from .kernels import KernelCounts, count_kernels
 from .memory import peak_extra_bytes
 from .timing import Stats, TimingPlan, paired_ratios, synchronizer, time_interleaved
@@ -27,6 +29,11 @@ class VariantResult:
     stats: Optional[Stats] = None
     kernels: Optional[KernelCounts] = None
     peak_bytes: Optional[int] = None
+    # Compiled twins only (Note [Compiled twins]): seconds of the compiling call,
+    # or why compilation failed (then ``error`` is None and nothing else is set).
+    compiled: bool = False
+    compile_s: Optional[float] = None
+    not_compiled: Optional[str] = None
 
 
 @dataclass
@@ -66,15 +73,59 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{where}"
 
 
+def _prepare(v: Variant, vr: VariantResult, reference: Any, device: torch.device,
+             on_stage: Callable[[str], None]) -> bool:
+    """Correctness check (which also warms the variant up), kernels, peak memory.
+    Returns whether the variant ran."""
+    try:
+        with v.context():
+            vr.check = compare(v.fn(), reference, RTOL)
+        on_stage(f"profile {v.name}")
+        vr.kernels = count_kernels(v, device)
+        vr.peak_bytes = peak_extra_bytes(v, device)
+    except Exception as exc:  # a failing variant must not stop the bench
+        vr.error = _error(exc)
+        return False
+    return True
+
+
+def _prepare_twin(source: Variant, vr: VariantResult, reference: Any,
+                  device: torch.device) -> Optional[Variant]:
+    """Compiles the twin of a user-code variant (timed), checks its result and
+    that it does not recompile, measures its peak memory. Returns the twin, or
+    None when it did not compile or failed. Kernels are not counted: Inductor's
+    generated kernels are no ATen ops, so the profiler-based count would miss them."""
+    vr.compiled = True
+    try:
+        twin = compiled_twin(source)
+        result, vr.compile_s = compile_now(twin, synchronizer(device))
+    except Exception as exc:  # graph break, unsupported op, backend failure
+        vr.not_compiled = compile_failure(exc)
+        return None
+    try:
+        vr.check = compare(result, reference, RTOL)
+        del result
+        check_no_recompile(twin)
+        with no_recompile():
+            vr.peak_bytes = peak_extra_bytes(twin, device)
+    except Exception as exc:
+        vr.error = _error(exc)
+        return None
+    return twin
+
+
 def run_case(
     case: Case,
     device: torch.device,
     plan: TimingPlan,
     on_stage: Callable[[str], None] = lambda stage: None,
+    compiled: bool = False,
 ) -> CaseResult:
     """Builds the case, then for each variant: correctness check (which also
-    warms it up), kernel count, peak memory; finally times the variants that
-    ran, interleaved. A variant that raises is reported, not timed."""
+    warms it up), kernel count, peak memory; with ``compiled``, the compiled
+    twins of its user-code variants follow (Note [Compiled twins]); finally
+    times the variants that ran, interleaved. A variant that raises (or a twin
+    that does not compile) is reported, not timed."""
     result = CaseResult(case)
     on_stage("setup")
     setup = case.build(device)
@@ -84,16 +135,17 @@ def run_case(
     for v in setup.variants:
         vr = result.variants[v.name] = VariantResult(v.name)
         on_stage(f"check {v.name}")
-        try:
-            with v.context():
-                vr.check = compare(v.fn(), reference, RTOL)
-            on_stage(f"profile {v.name}")
-            vr.kernels = count_kernels(v, device)
-            vr.peak_bytes = peak_extra_bytes(v, device)
-        except Exception as exc:  # a failing variant must not stop the bench
-            vr.error = _error(exc)
+        if _prepare(v, vr, reference, device, on_stage):
+            runnable.append(v)
+    for v in setup.variants if compiled else []:
+        if not v.user_code:
             continue
-        runnable.append(v)
+        name = twin_name(v.name)
+        vr = result.variants[name] = VariantResult(name)
+        on_stage(f"compile {name}")
+        twin = _prepare_twin(v, vr, reference, device)
+        if twin is not None:
+            runnable.append(twin)
     del reference
     if runnable:
         # The floor is timed in the same rounds, so it can be paired with them.

@@ -58,8 +58,8 @@ def _case(size: EagerSize, backward: bool) -> Case:
 
         return CaseSetup(
             variants=[
-                Variant("stock", step(F.linear), routing=False),
-                Variant("batchrules", step(batchrules.linear), routing=True),
+                Variant("stock", step(F.linear), routing=False, user_code=True),
+                Variant("batchrules", step(batchrules.linear), routing=True, user_code=True),
                 # Routing must leave eager F.linear alone (it acts under transforms only).
                 Variant("stock_routed", step(F.linear), routing=True),
             ],

@@ -65,8 +65,8 @@ def _forward_case(size: EnsembleSize, shared: bool) -> Case:
 
         return CaseSetup(
             variants=[
-                Variant("stock", user_code, routing=False),
-                Variant("batchrules", user_code, routing=True),
+                Variant("stock", user_code, routing=False, user_code=True),
+                Variant("batchrules", user_code, routing=True, user_code=True),
                 Variant("limit", lambda: limits.ensemble_forward(layers, size.spec.act, x, shared)),
             ],
             reference=reference,
@@ -112,8 +112,8 @@ def _train_case(size: EnsembleSize) -> Case:
 
         return CaseSetup(
             variants=[
-                Variant("stock", user_code, routing=False),
-                Variant("batchrules", user_code, routing=True),
+                Variant("stock", user_code, routing=False, user_code=True),
+                Variant("batchrules", user_code, routing=True, user_code=True),
                 Variant("limit", lambda: limits.ensemble_mse_grads(layers, size.spec.act, x, y)),
             ],
             reference=reference,

@@ -80,8 +80,8 @@ def _case(size: HyperSize, backward: bool) -> Case:
         user_code = run(batched_target)
         return CaseSetup(
             variants=[
-                Variant("stock", user_code, routing=False),
-                Variant("batchrules", user_code, routing=True),
+                Variant("stock", user_code, routing=False, user_code=True),
+                Variant("batchrules", user_code, routing=True, user_code=True),
                 Variant("limit", run(limits.per_sample_weights_forward)),
             ],
             reference=reference,

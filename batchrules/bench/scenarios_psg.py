@@ -43,8 +43,8 @@ def _psg_setup(
         return per_sample_grads(params, x, y)
 
     variants = [
-        Variant("stock", user_code, routing=False),
-        Variant("batchrules", user_code, routing=True),
+        Variant("stock", user_code, routing=False, user_code=True),
+        Variant("batchrules", user_code, routing=True, user_code=True),
         Variant("limit", lambda: limit(params)),
     ]
     opacus = opacus_variant(model, x, y, cross_entropy_sum)

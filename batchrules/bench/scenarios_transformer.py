@@ -142,8 +142,8 @@ def _psg_case(batch: int, tier: str) -> Case:
             return list(per_sample_grads(params, x, y).values())
 
         variants = [
-            Variant("stock", user_code, routing=False),
-            Variant("batchrules", user_code, routing=True),
+            Variant("stock", user_code, routing=False, user_code=True),
+            Variant("batchrules", user_code, routing=True, user_code=True),
             Variant("limit", lambda: limit_per_sample_grads(params, x, y)),
         ]
         opacus = _opacus_variant(model, x, y)
@@ -184,8 +184,8 @@ def _ensemble_case(batch: int, tier: str) -> Case:
 
         return CaseSetup(
             variants=[
-                Variant("stock", user_code, routing=False),
-                Variant("batchrules", user_code, routing=True),
+                Variant("stock", user_code, routing=False, user_code=True),
+                Variant("batchrules", user_code, routing=True, user_code=True),
                 Variant("limit", lambda: limit_ensemble_grads(params, x, y)),
             ],
             reference=reference,

@@ -6,14 +6,24 @@ the ratios' interquartile range is reported as "noise" rather than missed.
 Small sizes are also judged above the case's vmap floor (the cost of vmap
 over a function returning its input, for the same inputs), which no rule
 removes.
+
+Compiled twins (Note [Compiled twins]) have one target, on every row where
+both were timed: batchrules compiled is never slower than stock compiled.
+A batchrules twin that does not compile where the stock one does misses it.
+The compiled small rows' time relative to the limit is printed, with no
+threshold (``compiled_limit_ratios``).
 """
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
+from .compiled import twin_name
 from .runner import CaseResult
 
 EAGER_SCENARIO = "eager_linear"
 PSG_SCENARIOS = ("psg_mlp", "psg_cnn")
+STOCK_COMPILED, BATCHRULES_COMPILED = twin_name("stock"), twin_name("batchrules")
+COMPILED_TARGET = (f"compiled: not slower than stock compiled "
+                   f"({STOCK_COMPILED} / {BATCHRULES_COMPILED} >= 1)")
 
 
 @dataclass
@@ -40,12 +50,23 @@ def _speed_check(
     return TargetCheck(target, result.case.name, value, threshold, verdict, detail)
 
 
+def _compiled_check(result: CaseResult) -> Optional[TargetCheck]:
+    stock, br = result.variants.get(STOCK_COMPILED), result.variants.get(BATCHRULES_COMPILED)
+    if stock is None or br is None or stock.stats is None:
+        return None  # no twins, or stock torch.compile itself fails on this flow
+    if br.stats is None:
+        why = br.not_compiled or br.error or "not timed"
+        return TargetCheck(COMPILED_TARGET, result.case.name, 0.0, 1.0, "missed", f"batchrules: {why}")
+    return _speed_check(COMPILED_TARGET, result, STOCK_COMPILED, BATCHRULES_COMPILED, 1.0)
+
+
 def evaluate(results: List[CaseResult], linear_floor: int) -> List[TargetCheck]:
     """Every target that applies to every case. ``linear_floor``: kernels of
     one eager F.linear with bias on this device (2 on CPU: copy_ + addmm)."""
     checks: List[Optional[TargetCheck]] = []
     for r in results:
         scenario = r.case.scenario
+        checks.append(_compiled_check(r))
         if scenario.startswith(EAGER_SCENARIO):
             checks.append(_speed_check("eager: F.linear / batchrules.linear >= 0.98", r,
                                        "stock", "batchrules", 0.98))
@@ -76,3 +97,28 @@ def evaluate(results: List[CaseResult], linear_floor: int) -> List[TargetCheck]:
                 f"stock: {stock_per_linear:.1f}" if stock_per_linear is not None else "",
             ))
     return [c for c in checks if c is not None]
+
+
+@dataclass
+class LimitRatios:
+    """Median paired time(variant) / time(limit) of one case's variants."""
+
+    case: str
+    ratios: Dict[str, float]
+
+
+def compiled_limit_ratios(results: List[CaseResult]) -> List[LimitRatios]:
+    """For the small rows with a timed compiled twin: how far eager batchrules and
+    the compiled twins are from the hand-written limit (printed, not a target)."""
+    rows = []
+    for r in results:
+        if r.case.tier != "small" or not any(r.stats(n) for n in (STOCK_COMPILED, BATCHRULES_COMPILED)):
+            continue
+        ratios = {}
+        for name in ("batchrules", STOCK_COMPILED, BATCHRULES_COMPILED):
+            stats = r.ratio(name, "limit")
+            if stats is not None:
+                ratios[name] = stats.median
+        if ratios:
+            rows.append(LimitRatios(r.case.name, ratios))
+    return rows
