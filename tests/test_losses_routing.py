@@ -8,9 +8,12 @@ from torch.func import grad, vmap
 
 import batchrules
 
-# The aten ops functorch batches through Python decompositions, which the rules replace.
-OPS = ("nll_loss_forward", "nll_loss2d_forward", "nll_loss_backward", "nll_loss2d_backward",
-       "mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward")
+# The aten ops functorch batches through Python decompositions, which the rules replace ...
+DECOMPOSED = ("nll_loss_forward", "nll_loss2d_forward", "nll_loss_backward",
+              "nll_loss2d_backward", "mse_loss_backward", "smooth_l1_loss_backward",
+              "huber_loss_backward")
+# ... and one whose functorch C++ rule the rules replace.
+OPS = DECOMPOSED + ("huber_loss",)
 ROUTED_KERNEL_SOURCE = "routing.cpp"  # the __FILE__ of the routing libraries
 
 
@@ -23,9 +26,10 @@ with batchrules.enabled(False):  # loads functorch's decompositions first
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_stock_batches_through_python_decompositions(op: str) -> None:
+def test_stock_batching_rule(op: str) -> None:
     batched = [line for line in STOCK[op].splitlines() if line.startswith("FuncTorchBatched:")]
-    assert len(batched) == 1 and "predispatch.py" in batched[0]
+    source = "predispatch.py" if op in DECOMPOSED else "BatchRulesLoss.cpp"
+    assert len(batched) == 1 and source in batched[0]
 
 
 def test_enable_replaces_and_disable_restores(routing_off: None) -> None:

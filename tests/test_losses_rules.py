@@ -1,13 +1,14 @@
 """The loss batching rules against a for-loop of the aten op itself, in float64.
 
 Every op the rules serve (nll_loss_forward/backward, nll_loss2d_forward/backward,
-mse/smooth_l1/huber_loss_backward), every reduction, absent/shared/per-example
+mse/smooth_l1/huber_loss_backward, huber_loss), every reduction, absent/shared/per-example
 class weights, and every in_dims combination of the tensor arguments (each batch
 dim position, or shared), with the vmap fallback off and routing on. ignore_index
 is a valid class, so that ignored rows sit among real ones, and a batched target's
 first example has all its rows ignored ('mean' gives 0/0 = nan there, as eager).
 """
 import itertools
+import warnings
 from typing import Callable, List, Optional, Sequence
 
 import pytest
@@ -15,7 +16,8 @@ import torch
 from torch import Tensor
 from torch.func import vmap
 
-from batching_reference import all_bdims, example, loop_reference
+from batching_reference import all_bdims, loop_reference
+from conftest import available_devices
 
 A = torch.ops.aten
 B, N, C, H, W = 3, 4, 5, 2, 3
@@ -177,6 +179,20 @@ def test_pointwise_backward_every_in_dims(loss: str, target_shape, reduction: st
         run(lambda g, x, t: op(g, x, t, red), args, (gd, xd, td), f"in_dims {(gd, xd, td)}")
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("target_shape", [(2, 3), (3,)], ids=["same", "row"])
+def test_huber_forward_every_in_dims(target_shape, reduction: str) -> None:
+    """Replaces functorch's rule, whose output for a shared input and a batched target ATen
+    resizes with a deprecation warning (the test suite's warnings are not errors, so the
+    warning is checked for explicitly)."""
+    red, self_shape = REDUCTIONS[reduction], (2, 3)
+    for xd, td in itertools.product(all_bdims(len(self_shape)), all_bdims(len(target_shape))):
+        args = [batched(floats(self_shape), xd), batched(floats(target_shape), td)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            run(lambda x, t: A.huber_loss(x, t, red, 0.7), args, (xd, td), f"in_dims {(xd, td)}")
+
+
 @pytest.mark.parametrize("loss", POINTWISE)
 def test_pointwise_backward_broadcasts_like_stock(loss: str) -> None:
     """A target larger than self: the result has the broadcast shape, as stock vmap's
@@ -187,3 +203,27 @@ def test_pointwise_backward_broadcasts_like_stock(loss: str) -> None:
     actual = vmap(fn, in_dims=(0, 0, None))(g, x, t)
     expected = torch.stack([op(g[i], x[i].expand(2, 3), t, 2) / x[i].numel() for i in range(B)])
     assert_close(actual, expected, "broadcast")
+
+
+@pytest.mark.parametrize("device", available_devices())
+def test_rules_on_device(device: str) -> None:
+    """Representative cases of every rule on each available device (CUDA when present)."""
+    with torch.device(device):
+        x, t = torch.randn(B, N, C, dtype=DTYPE), torch.randint(0, C, (B, N))
+        t[0] = IGNORE
+        w = torch.rand(B, C, dtype=DTYPE)
+        g, tw = torch.rand(B, dtype=DTYPE), torch.rand(B, dtype=DTYPE) + 0.5
+        x2d, t2d = torch.randn(B, N, C, H, W, dtype=DTYPE), torch.randint(0, C, (B, N, H, W))
+        y = torch.randn(B, N, C, dtype=DTYPE)
+        cases = [
+            (lambda a, b, c: A.nll_loss_forward(a, b, c, 1, IGNORE), [x, t, w], (0, 0, 0)),
+            (lambda a, b: A.nll_loss2d_forward(a, b, None, 1, IGNORE), [x2d, t2d], (0, 0)),
+            (lambda g_, a, b, c: A.nll_loss_backward(g_, a, b, None, 1, IGNORE, c), [g, x, t, tw],
+             (0, 0, 0, 0)),
+            (lambda g_, a, b, c: A.nll_loss2d_backward(g_, a, b, None, 2, IGNORE, c),
+             [g, x2d, t2d, tw], (0, 0, 0, 0)),
+            (lambda g_, a, b: A.mse_loss_backward(g_, a, b, 1), [g, x, y[0]], (0, 0, None)),
+            (lambda g_, a, b: A.huber_loss_backward(g_, a, b, 1, 0.5), [g, x, y], (0, 0, 0)),
+        ]
+        for k, (fn, args, dims) in enumerate(cases):
+            run(fn, args, dims, f"case {k} on {device}")

@@ -10,8 +10,8 @@
 // kernel broadcasts target and grad_output against self; the result has the
 // broadcast shape of the three per example, as stock's decomposition does
 // (eager resizes its output to it, with a deprecation warning).
+#include "losses/batch_layout.h"
 #include "losses/batch_rules.h"
-#include "losses/nll_rows.h"
 
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
@@ -20,20 +20,6 @@
 namespace batchrules {
 
 namespace {
-
-// A physical operand laid out to broadcast against [B, *shape] (logical rank
-// `rank`): batch dim first and padded with 1s up to that rank; a shared one is
-// already right-aligned.
-Tensor align_batch_first(const Tensor& t, std::optional<int64_t> bdim, int64_t rank) {
-  if (!bdim.has_value()) {
-    return t;
-  }
-  Tensor f = move_bdim_to_front(t, bdim);
-  while (f.dim() < rank + 1) {
-    f = f.unsqueeze(1);
-  }
-  return f;
-}
 
 Tensor loss_backward_kernel(PointwiseLoss loss, const Tensor& grad_output, const Tensor& self,
                             const Tensor& target, double param) {

@@ -1,6 +1,7 @@
 // vmap batching rules for the aten loss ops, in functorch's style: physical
 // tensors with their optional batch dim in, (result, bdim) out. They replace
-// functorch's Python decompositions while routing is on (routes.cpp).
+// functorch's Python decompositions (and its huber_loss rule) while routing
+// is on (routes.cpp).
 #pragma once
 
 #include "common/batching_utils.h"
@@ -30,6 +31,11 @@ BatchedResult nll_loss_backward_batch_rule(
     std::optional<int64_t> target_bdim, const std::optional<Tensor>& weight,
     std::optional<int64_t> weight_bdim, int64_t reduction, const c10::SymInt& ignore_index,
     const Tensor& total_weight, std::optional<int64_t> total_weight_bdim);
+
+// aten::huber_loss(self, target, reduction, delta).
+BatchedResult huber_loss_batch_rule(const Tensor& self, std::optional<int64_t> self_bdim,
+                                    const Tensor& target, std::optional<int64_t> target_bdim,
+                                    int64_t reduction, double delta);
 
 // The elementwise regression losses whose backward functorch decomposes.
 enum class PointwiseLoss { Mse, SmoothL1, Huber };

@@ -1,7 +1,8 @@
-// FuncTorchBatched kernels of the loss family for aten ops: the rules of batch_rule_*.cpp
+// FuncTorchBatched kernels of the loss family: the rules of batch_rule_*.cpp
 // behind the shared plumbing (Note [Hand-written vmap plumbing]). They serve
 // aten ops, so the routing switch registers them (add_loss_routes), replacing
-// functorch's Python decompositions while routing is on.
+// functorch's Python decompositions (and its huber_loss rule) while routing is
+// on.
 #include "common/vmap_plumbing.h"
 #include "losses/batch_rules.h"
 #include "routing.h"
@@ -56,6 +57,19 @@ Tensor nll_loss_backward_batched(const Tensor& grad_output, const Tensor& self,
   return wrap_at(gi, gi_bdim, level);
 }
 
+Tensor huber_loss_batched(const Tensor& self, const Tensor& target, int64_t reduction,
+                          double delta) {
+  const BatchedKernelScope scope("huber_loss");
+  const int64_t level = scope.level();
+  if (!any_batched_at(level, self, target)) {
+    return at::huber_loss(self, target, reduction, delta);
+  }
+  auto [x, x_bdim] = unwrap_at(self, level);
+  auto [t, t_bdim] = unwrap_at(target, level);
+  auto [out, out_bdim] = huber_loss_batch_rule(x, x_bdim, t, t_bdim, reduction, delta);
+  return wrap_at(out, out_bdim, level);
+}
+
 Tensor pointwise_loss_backward_batched(PointwiseLoss loss, const char* name,
                                        const Tensor& grad_output, const Tensor& self,
                                        const Tensor& target, int64_t reduction, double param) {
@@ -104,6 +118,7 @@ void add_loss_routes(RouteLibraries& libs) {
   libs.batched.impl("nll_loss2d_forward", TORCH_FN(nll_loss_forward_batched<NllOp::Nll2d>));
   libs.batched.impl("nll_loss_backward", TORCH_FN(nll_loss_backward_batched<NllOp::Nll>));
   libs.batched.impl("nll_loss2d_backward", TORCH_FN(nll_loss_backward_batched<NllOp::Nll2d>));
+  libs.batched.impl("huber_loss", TORCH_FN(huber_loss_batched));
   libs.batched.impl("mse_loss_backward", TORCH_FN(mse_loss_backward_batched));
   libs.batched.impl("smooth_l1_loss_backward", TORCH_FN(smooth_l1_loss_backward_batched));
   libs.batched.impl("huber_loss_backward", TORCH_FN(huber_loss_backward_batched));

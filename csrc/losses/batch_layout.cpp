@@ -1,4 +1,4 @@
-#include "losses/nll_rows.h"
+#include "losses/batch_layout.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -22,6 +22,17 @@ Tensor batch_first(const Tensor& t, std::optional<int64_t> bdim, const c10::SymI
   c10::SymDimVector sizes{batch};
   sizes.append(t.sym_sizes().begin(), t.sym_sizes().end());
   return t.unsqueeze(0).expand_symint(sizes);
+}
+
+Tensor align_batch_first(const Tensor& t, std::optional<int64_t> bdim, int64_t rank) {
+  if (!bdim.has_value()) {
+    return t;
+  }
+  Tensor f = move_bdim_to_front(t, bdim);
+  while (f.dim() < rank + 1) {
+    f = f.unsqueeze(1);
+  }
+  return f;
 }
 
 NllRows::NllRows(NllOp op, c10::SymIntArrayRef self, const Tensor& target_in,

@@ -1,5 +1,6 @@
-// How the nll rules fold the vmap batch into the loss's own rows; see
-// Note [Folding the vmap batch into the loss's rows].
+// How the loss rules lay out batched operands: batch dim first, and for the
+// nll rules folded into the loss's own rows (see Note [Folding the vmap batch
+// into the loss's rows]).
 #pragma once
 
 #include "common/batching_utils.h"
@@ -20,6 +21,11 @@ c10::SymInt vmap_size(
 // Physical `t` with its batch dim first; a shared `t` is expanded to B
 // (stride 0, not copied).
 Tensor batch_first(const Tensor& t, std::optional<int64_t> bdim, const c10::SymInt& batch);
+
+// An elementwise operand laid out to broadcast against [B, *shape] (logical
+// rank `rank`): batch dim first and padded with 1s up to that rank; a shared
+// one is already right-aligned.
+Tensor align_batch_first(const Tensor& t, std::optional<int64_t> bdim, int64_t rank);
 
 // One nll problem over the rows of all B examples at once.
 struct NllRows {
