@@ -84,8 +84,8 @@ Tensor NllRows::row_weights(const Tensor& weight, std::optional<int64_t> weight_
   Tensor w;
   if (weight_bdim.has_value()) {
     // B,C gathered at B,R -> B,R
-    const Tensor wb = move_bdim_to_front(weight, weight_bdim).reshape_symint({batch, self_shape[1]});
-    w = at::gather(wb, 1, safe);
+    const Tensor wb = move_bdim_to_front(weight, weight_bdim);
+    w = at::gather(wb.reshape_symint({batch, self_shape[1]}), 1, safe);
   } else {
     // C gathered at B*R -> B,R
     w = weight.reshape(-1).index_select(0, safe.reshape(-1)).view_symint({batch, rows});
