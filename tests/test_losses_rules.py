@@ -227,3 +227,16 @@ def test_rules_on_device(device: str) -> None:
         ]
         for k, (fn, args, dims) in enumerate(cases):
             run(fn, args, dims, f"case {k} on {device}")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_empty_examples(reduction: str) -> None:
+    """Examples with no rows: 'mean' is 0/0 = nan, as in eager; gradients are empty."""
+    red = REDUCTIONS[reduction]
+    x, t = torch.randn(B, 0, C, dtype=DTYPE), torch.zeros(B, 0, dtype=torch.long)
+    g = torch.randn(B, 0, dtype=DTYPE) if reduction == "none" else torch.randn(B, dtype=DTYPE)
+    tw = torch.zeros((), dtype=DTYPE)
+    run(lambda a, b: A.nll_loss_forward(a, b, None, red, IGNORE), [x, t], (0, 0), "forward")
+    run(lambda g_, a, b: A.nll_loss_backward(g_, a, b, None, red, IGNORE, tw), [g, x, t], (0, 0, 0),
+        "backward")
+    run(lambda a, b: A.huber_loss(a, b, red, 1.0), [x, x], (0, 0), "huber")
