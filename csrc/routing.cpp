@@ -63,6 +63,7 @@ void set_routing_enabled(bool enabled) {
   RouteLibraries libs{fresh->front_mode, fresh->batched};
   add_linear_routes(libs);
   add_attention_routes(libs);
+  add_loss_routes(libs);
   routes = std::move(fresh);
 }
 

@@ -19,5 +19,6 @@ struct RouteLibraries {
 // One per op family, each in <family>/routes.cpp.
 void add_linear_routes(RouteLibraries& libs);
 void add_attention_routes(RouteLibraries& libs);
+void add_loss_routes(RouteLibraries& libs);
 
 }  // namespace batchrules
