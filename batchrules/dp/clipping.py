@@ -1,0 +1,119 @@
+"""After the backward: per-sample norms, clipping coefficients, clipped sums.
+
+Each parameter is handled by the kind of its uses (the calls whose output
+reached the loss):
+  linear       only linear weight uses             cost.py's choice, one GEMM
+  conv         one convolution weight use          unfolded patches, one kernel
+  embedding    only embedding uses                 per-index sums, one kernel
+  bias         only bias uses (linear / conv)      [B, O] per-sample sums
+  materialized anything else: per-sample copies, or uses of several kinds
+               (Note [One parameter, several uses] in linear.py)
+  zero         no use reached the loss              zeros
+"""
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import embedding
+from .conv import ConvUse
+from .embedding import EmbeddingUse
+from .linear import LinearUse, weight_clipped_sum, weight_norms_sq
+from .tape import Param, Use, zeros_grad
+
+# Added to the norm before dividing, as Opacus does: c_i = min(1, C / (||g_i|| + EPS)).
+EPS = 1e-6
+
+
+def _live(param: Param) -> List[Use]:
+    return [u for u in param.uses if u.grad is not None]
+
+
+def kind(param: Param) -> str:
+    live = _live(param)
+    if param.copy_grad is not None:
+        return "materialized"
+    if not live:
+        return "zero"
+    roles = {(type(u), u.roles()[param]) for u in live}
+    if all(role == "bias" for _, role in roles):
+        return "bias"
+    if roles == {(LinearUse, "weight")}:
+        return "linear"
+    if roles == {(ConvUse, "weight")} and len(live) == 1:
+        return "conv"
+    if roles == {(EmbeddingUse, "weight")}:
+        return "embedding"
+    return "materialized"
+
+
+def per_sample_grad(param: Param, batch: int) -> Tensor:
+    """``[B, *shape]``: the sum over its uses (and its per-sample copy)."""
+    grads = [u.per_sample_grad(u.roles()[param]) for u in _live(param)]
+    if param.copy_grad is not None:
+        grads.append(param.copy_grad)
+    total = grads[0] if grads else zeros_grad(param, batch)
+    for g in grads[1:]:
+        total = total + g
+    return total
+
+
+def _fused_bias(weight: Param, kinds: Dict[Param, str]) -> Optional[Param]:
+    """The bias whose every use is a use of ``weight`` with that bias: its
+    clipped sum comes from the weight's kernel call."""
+    uses = _live(weight)
+    bias = getattr(uses[0], "bias", None)
+    if bias is None or kinds[bias] != "bias":
+        return None
+    if _live(bias) != uses or any(u.bias is not bias for u in uses):  # type: ignore[attr-defined]
+        return None
+    return bias
+
+
+def clip(params: List[Param], batch: int, max_norm: float) -> Tuple[List[Tensor], Tensor]:
+    """The clipped sum of every parameter (in order) and the per-sample norms."""
+    kinds = {p: kind(p) for p in params}
+    per_sample: Dict[Param, Tensor] = {}
+    squares: List[Tensor] = []
+    for p in params:
+        k = kinds[p]
+        if k == "linear":
+            squares.append(weight_norms_sq(p, batch))
+        elif k == "conv":
+            squares.append(_live(p)[0].norms_sq())  # type: ignore[attr-defined]
+        elif k == "embedding":
+            squares.append(embedding.norms_sq(_live(p), batch))  # type: ignore[arg-type]
+        elif k in ("bias", "materialized"):
+            per_sample[p] = per_sample_grad(p, batch)
+            squares.append(per_sample[p].flatten(1).square().sum(1))
+    if squares:
+        norms = squares[0]
+        for s in squares[1:]:
+            norms = norms + s
+        norms = norms.sqrt()
+    else:
+        dtype = params[0].leaf.dtype if params else torch.get_default_dtype()
+        norms = torch.zeros(batch, dtype=dtype, device=params[0].leaf.device if params else None)
+    coef = (max_norm / (norms + EPS)).clamp(max=1.0)
+
+    sums: Dict[Param, Tensor] = {}
+    for p in params:
+        k = kinds[p]
+        if p in sums:
+            continue
+        if k in ("linear", "conv"):
+            bias = _fused_bias(p, kinds)
+            if k == "linear":
+                sums[p], grad_b = weight_clipped_sum(p, coef, bias)
+            else:
+                sums[p], grad_b = _live(p)[0].clipped_sum(coef, bias is not None)  # type: ignore
+            if bias is not None:
+                sums[bias] = grad_b
+        elif k == "embedding":
+            sums[p] = embedding.clipped_sum(_live(p), coef)  # type: ignore[arg-type]
+        elif k in ("bias", "materialized"):
+            g = per_sample[p]
+            sums[p] = torch.tensordot(coef.to(g.dtype), g, dims=1)
+        else:
+            sums[p] = torch.zeros_like(p.leaf)
+    return [sums[p] for p in params], norms
