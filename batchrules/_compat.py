@@ -53,3 +53,12 @@ def allow_requires_grad() -> ContextManager[None]:
     from torch._functorch.eager_transforms import enable_inplace_requires_grad
 
     return enable_inplace_requires_grad(True)
+
+
+def only_vmaps_above(level: int) -> bool:
+    """Whether every functorch transform active above ``level`` is a vmap."""
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return all(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters()
+               if i.level() > level)

@@ -72,6 +72,10 @@ def _fused_bias(weight: Param, kinds: Dict[Param, str]) -> Optional[Param]:
 
 def clip(params: List[Param], batch: int, max_norm: float) -> Tuple[List[Tensor], Tensor]:
     """The clipped sum of every parameter (in order) and the per-sample norms."""
+    if batch == 0:  # an empty (Poisson-sampled) batch
+        dtype = params[0].leaf.dtype if params else torch.get_default_dtype()
+        device = params[0].leaf.device if params else None
+        return [torch.zeros_like(p.leaf) for p in params], torch.zeros(0, dtype=dtype, device=device)
     kinds = {p: kind(p) for p in params}
     per_sample: Dict[Param, Tensor] = {}
     squares: List[Tensor] = []

@@ -136,6 +136,11 @@ def intercept_conv(tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) ->
         return NOT_HANDLED
     padding = _padding(padding, tuple(w.shape[2:]), stride, dilation)
     per_sample_dims = a.dim() - 1
+    if per_sample_dims in (dims + 1, dims + 2) and a.shape[-dims - 1] != w.shape[1] * groups:
+        raise RuntimeError(
+            f"clipped_grad: conv{dims}d with weight {weight.name} of shape {tuple(w.shape)} and "
+            f"groups={groups} expects {w.shape[1] * groups} input channels; the input's per-sample "
+            f"shape {tuple(x.shape)} has {a.shape[-dims - 1]}")
     if (padding is None or per_sample_dims not in (dims + 1, dims + 2) or groups < 1
             or a.shape[-dims - 1] != w.shape[1] * groups or w.shape[0] % groups
             or a.dtype != w.dtype or a.device != w.device):

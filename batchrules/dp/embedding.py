@@ -11,6 +11,7 @@ concatenates their rows. The clipped sum is one
 ``aten.embedding_dense_backward`` (the op's own gradient kernel) with c
 folded into g.
 """
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -115,7 +116,7 @@ def intercept_embedding(tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any
             return NOT_HANDLED  # F.embedding reports it
         padding_idx = padding_idx % vocab
     batch = idx.shape[0]
-    flat = idx.reshape(batch, -1).long()
+    flat = idx.reshape(batch, math.prod(idx.shape[1:])).long()
     out = F.embedding(flat.flatten(), weight_for(w, False))  # B*T, D: a fresh tensor
     use = EmbeddingUse(weight, flat, padding_idx, bool(scale_grad_by_freq), tap(out))
     tape.record(use, (flat,), f"the embedding of {weight.name}")

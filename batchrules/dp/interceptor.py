@@ -5,7 +5,8 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from .._compat import add_batch_dim, batched_level, current_transform_level, unwrap_batched
+from .._compat import (add_batch_dim, batched_level, current_transform_level, only_vmaps_above,
+                       unwrap_batched)
 from .tape import Tape
 
 # A rule's answer when it does not handle a call: the call then takes the
@@ -90,11 +91,16 @@ class Interceptor(TorchFunctionMode):
         if not torch.is_grad_enabled() or _is_metadata(func):
             return func(*args, **kwargs)
         rule = self.rules.get(func)
-        if rule is not None and current_transform_level() == self.tape.level:
+        at_our_level = current_transform_level() == self.tape.level
+        if rule is not None and at_our_level:
             out = rule(self.tape, args, kwargs)
             if out is not NOT_HANDLED:
                 return out
-        if self._holds_param(args) or self._holds_param(tuple(kwargs.values())):
+        if (self._holds_param(args) or self._holds_param(tuple(kwargs.values()))) and (
+                at_our_level or only_vmaps_above(self.tape.level)):
+            # Inside a nested grad/jvp the copy could not be made (functorch
+            # cannot wrap a tensor for an outer level there): the parameter
+            # is left as is, and the backward reports its use as escaped.
             args = self._substitute(args)
             kwargs = {k: self._substitute(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)

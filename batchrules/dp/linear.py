@@ -64,13 +64,14 @@ def ghostable(tape: Tape, a: Optional[Tensor], w: Any, b: Any) -> bool:
 
 
 def recorded_linear(tape: Tape, rows: Tensor, batch: int, w: Tensor, b: Optional[Tensor]) -> Tensor:
-    """``F.linear(rows, w, b)`` on physical rows ``[B*T, I]``, recorded; returns
+    """``F.linear(rows, w, b)`` on physical rows ``[B*T, I]`` (``batch`` = B), recorded; returns
     the fresh ``[B*T, O]`` output (Note [Tapping an output that may later
     change in place]: callers hand the loss views of it)."""
     weight, bias = tape.param(w), tape.param(b)
     w_op = weight_for(w, rows.requires_grad or (b is not None and bias is None and b.requires_grad))
     out = F.linear(rows, w_op, b.detach() if bias is not None else b)
-    use = LinearUse(weight, bias, rows.view(batch, -1, rows.shape[-1]), tap(out))
+    per_sample = rows.shape[0] // batch if batch else 0
+    use = LinearUse(weight, bias, rows.view(batch, per_sample, rows.shape[-1]), tap(out))
     tape.record(use, (rows,), f"the linear of {weight.name}")
     return out
 
@@ -82,6 +83,11 @@ def intercept_linear(tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) 
         return NOT_HANDLED
     x, w, b = bound
     a = physical(tape, x)
+    weight = tape.param(w)
+    if weight is not None and a is not None and w.dim() == 2 and a.dim() >= 2 and a.shape[-1] != w.shape[1]:
+        raise RuntimeError(
+            f"clipped_grad: F.linear with weight {weight.name} of shape {tuple(w.shape)}: the input's "
+            f"per-sample shape {tuple(x.shape)} has {x.shape[-1]} features, expected {w.shape[1]}")
     if not ghostable(tape, a, w, b):
         return NOT_HANDLED
     batch, lead = a.shape[0], a.shape[1:-1]
