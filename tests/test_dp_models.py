@@ -104,11 +104,19 @@ CONVS = {
     "conv2d_reflect": (lambda: nn.Sequential(
         nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect"), nn.Flatten(), nn.Linear(50, 3)),
         (1, 5, 5)),
+    # Note [Convolution norms]: per-sample gradients too large to keep (576 > 4*36 + 16*16
+    # elements per sample): materialized in chunks
+    "conv2d_chunked": (lambda: nn.Sequential(nn.Conv2d(4, 16, 3), nn.Flatten(), nn.Linear(256, 3)),
+                       (4, 6, 6)),
+    # two output positions, 72 inputs, 8 outputs: the ghost norm over unfolded patches
+    "conv2d_ghost": (lambda: nn.Sequential(nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(16, 3)),
+                     (8, 3, 4)),
 }
 
 
 @pytest.mark.parametrize("name", list(CONVS))
 def test_conv(routing, kinds, name: str) -> None:
+    assert ghost_is_cheaper(2, 72, 8) and not ghost_is_cheaper(16, 36, 16)
     make, shape = CONVS[name]
     check_model(make(), *data(*shape))
     conv_kinds = {k: v for k, v in kinds.items() if k.startswith("0.")}

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import torch
 
-from . import scenarios_eager, scenarios_ensemble, scenarios_hyper, scenarios_psg
+from . import scenarios_dp, scenarios_eager, scenarios_ensemble, scenarios_hyper, scenarios_psg
 from .case import Case
 from .kernels import eager_linear_kernels
 from .machine import machine_info
@@ -35,6 +35,7 @@ def all_cases(mode: str) -> List[Case]:
         + scenarios_psg.cases(mode)
         + scenarios_hyper.cases(mode)
         + scenarios_eager.cases(mode)
+        + scenarios_dp.cases(mode)
     )
 
 

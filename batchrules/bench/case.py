@@ -18,11 +18,14 @@ class Variant:
     ``fn`` runs one step and returns its result (a tensor, or a tuple/list/dict
     of tensors) in the same order as the case's reference. ``routing`` is the
     batchrules routing state the step runs under (None: irrelevant, left off).
+    ``reference``: this variant's own float64 reference, for a variant that
+    computes something else than the case's (None: the case's).
     """
 
     name: str
     fn: Callable[[], Any]
     routing: Optional[bool] = None
+    reference: Optional[Callable[[], Any]] = None
 
     def context(self) -> ContextManager[None]:
         """The routing state this variant is run (and profiled) under."""

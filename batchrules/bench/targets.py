@@ -14,6 +14,9 @@ from .runner import CaseResult
 
 EAGER_SCENARIO = "eager_linear"
 PSG_SCENARIOS = ("psg_mlp", "psg_cnn")
+DP_SCENARIO = "dp_"
+# The DP rows' step-time targets against the non-private step apply here.
+DP_NEAR_NONPRIVATE = ("dp_mlp/b128", "dp_mlp/b512", "dp_transformer/")
 
 
 @dataclass
@@ -46,6 +49,9 @@ def evaluate(results: List[CaseResult], linear_floor: int) -> List[TargetCheck]:
     checks: List[Optional[TargetCheck]] = []
     for r in results:
         scenario = r.case.scenario
+        if scenario.startswith(DP_SCENARIO):
+            checks.extend(dp_checks(r))
+            continue
         if scenario.startswith(EAGER_SCENARIO):
             checks.append(_speed_check("eager: F.linear / batchrules.linear >= 0.98", r,
                                        "stock", "batchrules", 0.98))
@@ -76,3 +82,27 @@ def evaluate(results: List[CaseResult], linear_floor: int) -> List[TargetCheck]:
                 f"stock: {stock_per_linear:.1f}" if stock_per_linear is not None else "",
             ))
     return [c for c in checks if c is not None]
+
+
+def dp_checks(r: CaseResult) -> List[Optional[TargetCheck]]:
+    """The DP-SGD targets of one DP row (scenarios_dp), for ``clipped_grad``."""
+    checks: List[Optional[TargetCheck]] = []
+    name = r.case.name
+    if any(name.startswith(n) for n in DP_NEAR_NONPRIVATE) and r.case.tier != "small":
+        checks.append(_speed_check("DP: clipped_grad <= 1.2x the non-private step "
+                                   "(nonprivate / clipped_grad >= 0.83)", r,
+                                   "nonprivate", "clipped_grad", 1 / 1.2))
+    checks.append(_speed_check("DP: clipped_grad >= 1.5x faster than Opacus ghost clipping", r,
+                               "opacus_ghost", "clipped_grad", 1.5))
+    if name == "dp_mlp/b128":
+        checks.append(_speed_check("DP: clipped_grad >= 20x faster than vmap(grad)+clip (stock)", r,
+                                   "stock", "clipped_grad", 20.0))
+    dp, plain = r.variants.get("clipped_grad"), r.variants.get("nonprivate")
+    if dp is not None and plain is not None and dp.peak_bytes and plain.peak_bytes:
+        value = plain.peak_bytes / dp.peak_bytes
+        checks.append(TargetCheck(
+            "DP: clipped_grad peak memory <= 1.3x the non-private step's "
+            "(nonprivate / clipped_grad >= 0.77)", name, value, 1 / 1.3,
+            "met" if value >= 1 / 1.3 else "missed",
+            f"{dp.peak_bytes / 2**20:.1f}MB vs {plain.peak_bytes / 2**20:.1f}MB"))
+    return checks
