@@ -95,8 +95,10 @@ def _own_reference(variant: Variant, model: nn.Module, fixed: nn.Module,
     with batch_first=True reshapes its heads' outputs without moving the
     head dim back, a different function from nn.MultiheadAttention's."""
     if [n for n, _ in fixed.named_parameters()] != [n for n, _ in model.named_parameters()]:
+        pristine = copy.deepcopy(fixed)  # before Opacus' hooks are attached to ``fixed``
+
         def reference() -> List[Tensor]:
-            *sums, norms = reference_of(fixed)
+            *sums, norms = reference_of(pristine)
             return [*to_model_order(sums), norms]
 
         variant.reference = reference
@@ -116,6 +118,8 @@ def opacus_clip_variant(
     from opacus import GradSampleModule
 
     fixed, to_model_order = _opacus_ready(model)
+    variant = _own_reference(Variant("opacus_hooks", lambda: []), model, fixed, to_model_order,
+                             reference_of)
     module = GradSampleModule(fixed, batch_first=True, loss_reduction="sum")
     params = [p for p in module.parameters() if p.requires_grad]
 
@@ -132,7 +136,8 @@ def opacus_clip_variant(
             p.grad = None
         return [*to_model_order(sums), norms]
 
-    return _own_reference(Variant("opacus_hooks", step), model, fixed, to_model_order, reference_of)
+    variant.fn = step
+    return variant
 
 
 def opacus_ghost_variant(
@@ -152,6 +157,8 @@ def opacus_ghost_variant(
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
     fixed, to_model_order = _opacus_ready(model)
+    variant = _own_reference(Variant("opacus_ghost", lambda: []), model, fixed, to_model_order,
+                             reference_of)
     module = GradSampleModuleFastGradientClipping(
         fixed, batch_first=True, loss_reduction="sum", max_grad_norm=max_norm,
         use_ghost_clipping=True)
@@ -170,4 +177,5 @@ def opacus_ghost_variant(
             p.grad = None
         return [*to_model_order(sums), module.per_sample_gradient_norms]
 
-    return _own_reference(Variant("opacus_ghost", step), model, fixed, to_model_order, reference_of)
+    variant.fn = step
+    return variant
