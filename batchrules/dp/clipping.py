@@ -60,7 +60,7 @@ def per_sample_grad(param: Param, batch: int) -> Tensor:
 
 def _fused_bias(weight: Param, kinds: Dict[Param, str]) -> Optional[Param]:
     """The bias whose every use is a use of ``weight`` with that bias: its
-    clipped sum comes from the weight's kernel call."""
+    norm and clipped sum come with the weight's."""
     uses = _live(weight)
     bias = getattr(uses[0], "bias", None)
     if bias is None or kinds[bias] != "bias":
@@ -70,54 +70,73 @@ def _fused_bias(weight: Param, kinds: Dict[Param, str]) -> Optional[Param]:
     return bias
 
 
+def _norms(params: List[Param], kinds: Dict[Param, str], fused: Dict[Param, Param],
+           per_sample: Dict[Param, Tensor], batch: int) -> Tensor:
+    squares: List[Tensor] = []
+    # a linear weight's norm includes its fused bias' (linear.weight_norms_sq)
+    in_weight_norm = {b for w, b in fused.items() if kinds[w] == "linear"}
+    for p in params:
+        k = kinds[p]
+        if k == "linear":
+            squares.append(weight_norms_sq(p, fused.get(p)))
+        elif k == "conv":
+            squares.append(_live(p)[0].norms_sq())  # type: ignore[attr-defined]
+        elif k == "embedding":
+            squares.append(embedding.norms_sq(_live(p), batch))  # type: ignore[arg-type]
+        elif k in ("bias", "materialized") and p not in in_weight_norm:
+            per_sample[p] = per_sample_grad(p, batch)
+            squares.append(per_sample[p].flatten(1).square().sum(1))
+    if not squares:
+        return torch.zeros(batch, dtype=params[0].leaf.dtype if params else None,
+                           device=params[0].leaf.device if params else None)
+    total = squares[0]
+    for s in squares[1:]:
+        total = total + s
+    return total.sqrt()
+
+
+def _clipped_sum(p: Param, k: str, coef: Tensor, fused: Dict[Param, Param],
+                 per_sample: Dict[Param, Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    """The clipped sum of ``p`` (and of its fused bias)."""
+    if k == "linear":
+        return weight_clipped_sum(p, coef, fused.get(p))
+    if k == "conv":
+        return _live(p)[0].clipped_sum(coef, p in fused)  # type: ignore[attr-defined]
+    if k == "embedding":
+        return embedding.clipped_sum(_live(p), coef), None  # type: ignore[arg-type]
+    if k in ("bias", "materialized"):
+        g = per_sample.pop(p)
+        return torch.tensordot(coef.to(g.dtype), g, dims=1), None
+    return torch.zeros_like(p.leaf), None
+
+
 def clip(params: List[Param], batch: int, max_norm: float) -> Tuple[List[Tensor], Tensor]:
-    """The clipped sum of every parameter (in order) and the per-sample norms."""
+    """The clipped sum of every parameter (in order) and the per-sample norms.
+
+    Recorded tensors are released as soon as every parameter of their use is
+    summed, and the sums are formed smallest first, so that the largest
+    parameter's sum is allocated when the least else is held (peak memory).
+    """
     if batch == 0:  # an empty (Poisson-sampled) batch
         dtype = params[0].leaf.dtype if params else torch.get_default_dtype()
         device = params[0].leaf.device if params else None
         return [torch.zeros_like(p.leaf) for p in params], torch.zeros(0, dtype=dtype, device=device)
     kinds = {p: kind(p) for p in params}
+    fused = {p: b for p in params if kinds[p] in ("linear", "conv")
+             for b in [_fused_bias(p, kinds)] if b is not None}
     per_sample: Dict[Param, Tensor] = {}
-    squares: List[Tensor] = []
-    for p in params:
-        k = kinds[p]
-        if k == "linear":
-            squares.append(weight_norms_sq(p, batch))
-        elif k == "conv":
-            squares.append(_live(p)[0].norms_sq())  # type: ignore[attr-defined]
-        elif k == "embedding":
-            squares.append(embedding.norms_sq(_live(p), batch))  # type: ignore[arg-type]
-        elif k in ("bias", "materialized"):
-            per_sample[p] = per_sample_grad(p, batch)
-            squares.append(per_sample[p].flatten(1).square().sum(1))
-    if squares:
-        norms = squares[0]
-        for s in squares[1:]:
-            norms = norms + s
-        norms = norms.sqrt()
-    else:
-        dtype = params[0].leaf.dtype if params else torch.get_default_dtype()
-        norms = torch.zeros(batch, dtype=dtype, device=params[0].leaf.device if params else None)
+    norms = _norms(params, kinds, fused, per_sample, batch)
     coef = (max_norm / (norms + EPS)).clamp(max=1.0)
 
     sums: Dict[Param, Tensor] = {}
-    for p in params:
-        k = kinds[p]
-        if p in sums:
+    fused_biases = set(fused.values())
+    for p in sorted(params, key=lambda q: q.leaf.numel()):
+        if p in sums or p in fused_biases:
             continue
-        if k in ("linear", "conv"):
-            bias = _fused_bias(p, kinds)
-            if k == "linear":
-                sums[p], grad_b = weight_clipped_sum(p, coef, bias)
-            else:
-                sums[p], grad_b = _live(p)[0].clipped_sum(coef, bias is not None)  # type: ignore
-            if bias is not None:
-                sums[bias] = grad_b
-        elif k == "embedding":
-            sums[p] = embedding.clipped_sum(_live(p), coef)  # type: ignore[arg-type]
-        elif k in ("bias", "materialized"):
-            g = per_sample[p]
-            sums[p] = torch.tensordot(coef.to(g.dtype), g, dims=1)
-        else:
-            sums[p] = torch.zeros_like(p.leaf)
+        sums[p], grad_b = _clipped_sum(p, kinds[p], coef, fused, per_sample)
+        if p in fused:
+            sums[fused[p]] = grad_b
+        for use in _live(p):
+            if all(q in sums for q in use.roles()):
+                use.release()
     return [sums[p] for p in params], norms

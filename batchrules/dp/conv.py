@@ -105,6 +105,9 @@ class ConvUse(Use):
         t = t.view(b, n, groups, t.shape[1] // groups, t.shape[2]).permute(0, 2, 1, 4, 3)
         return t.reshape(b, groups, n * t.shape[3], t.shape[4]) if n > 1 else t.squeeze(2)
 
+    def release(self) -> None:
+        self.grad = self.input = self.kept = None  # type: ignore[assignment]
+
     def per_sample_grad(self, role: str) -> Tensor:
         every = slice(0, self.samples)
         if role == "bias":

@@ -57,6 +57,9 @@ class EmbeddingUse(Use):
             g = g * (self.indices.flatten() != self.padding_idx).unsqueeze(1).to(g.dtype)
         return keys, g
 
+    def release(self) -> None:
+        self.grad = self.indices = None  # type: ignore[assignment]
+
     def per_sample_grad(self, role: str) -> Tensor:
         keys, g = self.keys()
         batch = self.indices.shape[0]

@@ -44,6 +44,9 @@ class LinearUse(Use):
             return self.grad.sum(1)
         return torch.bmm(self.grad.transpose(1, 2), self.rows)  # B,O,T x B,T,I -> B,O,I
 
+    def release(self) -> None:
+        self.grad = self.rows = None  # type: ignore[assignment]
+
 
 def shared_bias(tape: Tape, b: Any) -> bool:
     """A bias the rule can pass through as is: absent, or a plain tensor shared by all samples."""
@@ -107,11 +110,15 @@ def _rows(uses: List[LinearUse]) -> Tuple[Tensor, Tensor]:
     return torch.cat([u.rows for u in uses], 1), torch.cat([u.grad for u in uses], 1)
 
 
-def weight_norms_sq(param: Param, batch: int) -> Tensor:
-    uses = _live(param.uses)
-    if not uses:
-        return param.leaf.new_zeros(batch)
-    return rows_norms_sq(*_rows(uses))
+def weight_norms_sq(param: Param, bias: Optional[Param]) -> Tensor:
+    """Per-sample squared gradient norms of the weight (and of ``bias``, used
+    by exactly the same calls): with one row, ``||g_i||^2 (||a_i||^2 + 1)``."""
+    a, g = _rows(_live(param.uses))
+    if a.shape[1] == 1:
+        g_sq, a_sq = g.square().sum((1, 2)), a.square().sum((1, 2))
+        return g_sq * (a_sq + 1) if bias is not None else g_sq * a_sq
+    squares = rows_norms_sq(a, g)
+    return squares + g.sum(1).square().sum(1) if bias is not None else squares
 
 
 def weight_clipped_sum(param: Param, coef: Tensor, bias: Optional[Param]) -> Tuple[Tensor, Optional[Tensor]]:

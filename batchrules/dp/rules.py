@@ -1,4 +1,6 @@
-"""The calls clipped_grad handles with a rule, by the function the mode sees."""
+"""The calls clipped_grad handles with a rule, by the function the mode sees: the
+layers whose per-sample norms come from (input, output gradient), and the loss
+(Note [Losses on physical tensors])."""
 from typing import Callable, Dict
 
 import torch
@@ -9,6 +11,7 @@ from .conv import intercept_conv
 from .embedding import intercept_embedding
 from .interceptor import Rule
 from .linear import intercept_linear
+from .losses import intercept_cross_entropy
 
 RULES: Dict[Callable, Rule] = {
     F.linear: intercept_linear,
@@ -19,4 +22,5 @@ RULES: Dict[Callable, Rule] = {
     F.conv2d: intercept_conv,
     F.embedding: intercept_embedding,
     F.multi_head_attention_forward: intercept_attention,
+    F.cross_entropy: intercept_cross_entropy,
 }

@@ -35,6 +35,10 @@ class Use:
         through this use (the materialized path)."""
         raise NotImplementedError
 
+    def release(self) -> None:
+        """Drops the recorded tensors once every parameter of the use is summed."""
+        raise NotImplementedError
+
 
 # Note [Tapping an output that may later change in place]
 # The backward targets each intercepted output by its autograd edge (the node
@@ -120,12 +124,14 @@ class Tape:
         return add_batch_dim(param.copy, 0, self.level)
 
     def check_inputs_unchanged(self) -> None:
+        """Raises if a recorded input changed in place; then forgets them."""
         for t, version, what in self.versions:
             if t._version != version:
                 raise RuntimeError(
                     f"clipped_grad: the input of {what} was modified in place after the call; "
                     "the per-sample gradient norms need its value at the call. Use an "
                     "out-of-place op there (e.g. x = x.relu() instead of x.relu_()).")
+        self.versions.clear()
 
 
 def all_uses_of(param: Param, kind: type, role: str) -> bool:
