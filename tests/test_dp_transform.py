@@ -114,6 +114,7 @@ def test_has_aux() -> None:
     _, ref_aux = vmap(grad(loss, has_aux=True), in_dims=(None, 0, 0))(params, x, y)
     torch.testing.assert_close(aux, ref_aux)
     assert aux["logits"].grad_fn is None
+    assert not norms.requires_grad and not any(s.requires_grad for s in got.values())
 
 
 def test_params_as_tensor_list_and_parameters() -> None:

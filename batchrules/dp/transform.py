@@ -204,7 +204,8 @@ def _clipped_grad(loss: Callable[..., Any], max_norm: float, in_dims: Any, argnu
         losses, aux = out if has_aux else (out, None)
         tape = tapes[-1]
         _backward(losses, tape, params)
-    sums, norms = clip(params, tape.batch_size, max_norm)
+    with torch.no_grad():
+        sums, norms = clip(params, tape.batch_size, max_norm)
     it = iter(sums)
     results = tuple(tree_unflatten([next(it) for _ in range(spec.num_leaves)], spec) for spec in specs)
     result = (results if isinstance(argnums, tuple) else results[0], norms)
