@@ -186,11 +186,24 @@ def test_embedding_table_looked_up_twice(routing, kinds) -> None:
 
 @pytest.mark.parametrize("norm", ["layer", "group"])
 def test_norm_layers_materialized(routing, kinds, norm: str) -> None:
+    """LayerNorm has its rule (norm.py); GroupNorm gets per-sample copies."""
     layer = nn.LayerNorm(6) if norm == "layer" else nn.GroupNorm(2, 6)
     model = nn.Sequential(nn.Linear(6, 6), layer, nn.Linear(6, 3))
     check_model(model, *data(6))
-    assert kinds["1.weight"] == kinds["1.bias"] == "materialized"
+    assert kinds["1.weight"] == "materialized"
+    assert kinds["1.bias"] == ("bias" if norm == "layer" else "materialized")
     assert kinds["0.weight"] == "linear"
+
+
+@pytest.mark.parametrize("config", [{"normalized_shape": (2, 3)}, {"bias": False},
+                                    {"elementwise_affine": False}],
+                         ids=["two_dims", "no_bias", "no_affine"])
+def test_layer_norm_options(routing, config) -> None:
+    shape = config.pop("normalized_shape", 6)
+    layer = nn.LayerNorm(shape, **config)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Unflatten(-1, (2, 3)) if shape != 6 else nn.Identity(),
+                          layer, nn.Flatten(-2) if shape != 6 else nn.Identity(), nn.Linear(6, 3))
+    check_model(model, *data(4, 6), loss_fn=seq_loss)
 
 
 class Encoder(nn.Module):

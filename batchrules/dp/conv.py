@@ -204,6 +204,6 @@ def intercept_conv(tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) ->
     out = _CONV[dims](folded, w_op, b.detach() if bias is not None else b, stride, padding,
                       dilation, groups)
     use = ConvUse(weight, bias, folded, batch, stride, padding, dilation, groups, tap(out))
-    tape.record(use, (folded,), f"the convolution of {weight.name}")
+    tape.record(use, (folded,), "convolution")
     lead = a.shape[1:-dims - 1]  # (N,) or ()
     return batched(tape, out.view(batch, *lead, *out.shape[1:]))

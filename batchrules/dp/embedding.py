@@ -122,5 +122,5 @@ def intercept_embedding(tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any
     flat = idx.reshape(batch, math.prod(idx.shape[1:])).long()
     out = F.embedding(flat.flatten(), weight_for(w, False))  # B*T, D: a fresh tensor
     use = EmbeddingUse(weight, flat, padding_idx, bool(scale_grad_by_freq), tap(out))
-    tape.record(use, (flat,), f"the embedding of {weight.name}")
+    tape.record(use, (flat,), "embedding")
     return batched(tape, out.view(*idx.shape, w.shape[1]))

@@ -75,7 +75,7 @@ def recorded_linear(tape: Tape, rows: Tensor, batch: int, w: Tensor, b: Optional
     out = F.linear(rows, w_op, b.detach() if bias is not None else b)
     per_sample = rows.shape[0] // batch if batch else 0
     use = LinearUse(weight, bias, rows.view(batch, per_sample, rows.shape[-1]), tap(out))
-    tape.record(use, (rows,), f"the linear of {weight.name}")
+    tape.record(use, (rows,), "linear")
     return out
 
 

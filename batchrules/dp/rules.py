@@ -12,6 +12,7 @@ from .embedding import intercept_embedding
 from .interceptor import Rule
 from .linear import intercept_linear
 from .losses import intercept_cross_entropy
+from .norm import intercept_layer_norm
 
 RULES: Dict[Callable, Rule] = {
     F.linear: intercept_linear,
@@ -22,5 +23,6 @@ RULES: Dict[Callable, Rule] = {
     F.conv2d: intercept_conv,
     F.embedding: intercept_embedding,
     F.multi_head_attention_forward: intercept_attention,
+    F.layer_norm: intercept_layer_norm,
     F.cross_entropy: intercept_cross_entropy,
 }

@@ -1,6 +1,6 @@
 """What clipped_grad records during the forward: the parameters and their uses."""
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -77,11 +77,15 @@ class Param:
     its per-sample copy (see Note [Per-sample copies])."""
 
     index: int
-    name: str
+    namer: Callable[[], str]
     leaf: Tensor
     uses: List[Use] = field(default_factory=list)
     copy: Optional[Tensor] = None  # physical [B, *shape] leaf
     copy_grad: Optional[Tensor] = None
+
+    @property
+    def name(self) -> str:
+        return self.namer()
 
 
 # Note [Per-sample copies]
@@ -102,18 +106,19 @@ class Tape:
         self.batch_size = batch_size
         self.level = level
         self.uses: List[Use] = []
-        self.versions: List[Tuple[Tensor, int, str]] = []
+        self.versions: List[Tuple[Tensor, int, Use, str]] = []
 
     def param(self, obj: object) -> Optional[Param]:
         return self.by_id.get(id(obj)) if isinstance(obj, Tensor) else None
 
-    def record(self, use: Use, inputs: Tuple[Tensor, ...], what: str) -> None:
-        """Adds a use; ``inputs`` must keep their values until the backward."""
+    def record(self, use: Use, inputs: Tuple[Tensor, ...], op: str) -> None:
+        """Adds a use of ``op`` ("linear", ...); ``inputs`` must keep their
+        values until the backward."""
         self.uses.append(use)
         for param in use.roles():
             param.uses.append(use)
         for t in inputs:
-            self.versions.append((t, t._version, what))
+            self.versions.append((t, t._version, use, op))
 
     def per_sample_copy(self, param: Param) -> Tensor:
         """The batched per-sample copy of ``param`` (Note [Per-sample copies])."""
@@ -125,12 +130,13 @@ class Tape:
 
     def check_inputs_unchanged(self) -> None:
         """Raises if a recorded input changed in place; then forgets them."""
-        for t, version, what in self.versions:
+        for t, version, use, op in self.versions:
             if t._version != version:
+                weight = next(p for p, role in use.roles().items() if role == "weight")
                 raise RuntimeError(
-                    f"clipped_grad: the input of {what} was modified in place after the call; "
-                    "the per-sample gradient norms need its value at the call. Use an "
-                    "out-of-place op there (e.g. x = x.relu() instead of x.relu_()).")
+                    f"clipped_grad: the input of the {op} of {weight.name} was modified in place "
+                    "after the call; the per-sample gradient norms need its value at the call. "
+                    "Use an out-of-place op there (e.g. x = x.relu() instead of x.relu_()).")
         self.versions.clear()
 
 

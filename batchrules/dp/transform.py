@@ -136,25 +136,41 @@ def _params(args: Tuple[Any, ...], positions: Tuple[int, ...]) -> Tuple[List[Par
     params: List[Param] = []
     specs = []
     for pos in positions:
-        leaves, spec = tree_flatten_with_path(args[pos])
-        for path, leaf in leaves:
-            name = f"argument {pos}{keystr(path)}"
+        leaves, spec = tree_flatten(args[pos])
+        namer = _Namer(args[pos], pos)
+        for k, leaf in enumerate(leaves):
             if not isinstance(leaf, Tensor):
-                raise TypeError(f"clipped_grad: {name} is a {type(leaf).__name__}; differentiated "
-                                "arguments must hold only floating-point tensors")
+                raise TypeError(f"clipped_grad: {namer(k)} is a {type(leaf).__name__}; "
+                                "differentiated arguments must hold only floating-point tensors")
             if not leaf.is_floating_point():
-                raise TypeError(f"clipped_grad: {name} has dtype {leaf.dtype}; only floating-point "
-                                "tensors can be differentiated")
+                raise TypeError(f"clipped_grad: {namer(k)} has dtype {leaf.dtype}; only "
+                                "floating-point tensors can be differentiated")
             if isinstance(leaf, nn.Parameter) and not leaf.requires_grad:
-                raise ValueError(f"clipped_grad: {name} is an nn.Parameter with requires_grad=False "
-                                 "(frozen); leave it out of the differentiated argument (pass it "
-                                 "in another, unbatched argument) or unfreeze it")
-            params.append(Param(len(params), name, leaf.detach().requires_grad_()))
+                raise ValueError(f"clipped_grad: {namer(k)} is an nn.Parameter with "
+                                 "requires_grad=False (frozen); leave it out of the differentiated "
+                                 "argument (pass it in another, unbatched argument) or unfreeze it")
+            params.append(Param(len(params), functools.partial(namer, k), leaf.detach().requires_grad_()))
         specs.append(spec)
     return params, specs
 
 
+class _Namer:
+    """Names a differentiated leaf by its key path (``argument 0['0.weight']``),
+    computed only when a message needs it."""
+
+    def __init__(self, tree: Any, position: int) -> None:
+        self.tree, self.position = tree, position
+
+    def __call__(self, k: int) -> str:
+        path = tree_flatten_with_path(self.tree)[0][k][0]
+        return f"argument {self.position}{keystr(path)}"
+
+
 def _batch_size(args: Tuple[Any, ...], level: int) -> int:
+    for arg in args:  # plain tensor arguments first: no pytree walk
+        if isinstance(arg, Tensor) and batched_level(arg) == level:
+            value, bdim = unwrap_batched(arg, level)
+            return value.shape[bdim]
     for leaf in tree_flatten(args)[0]:
         if isinstance(leaf, Tensor) and batched_level(leaf) == level:
             value, bdim = unwrap_batched(leaf, level)
@@ -179,15 +195,20 @@ def _clipped_grad(loss: Callable[..., Any], max_norm: float, in_dims: Any, argnu
     dims = _in_dims(in_dims, positions, len(args))
     params, specs = _params(args, positions)
     leaves = iter(p.leaf for p in params)
-    sample_args = list(args)
-    for pos, spec in zip(positions, specs):
-        sample_args[pos] = tree_unflatten([next(leaves) for _ in range(spec.num_leaves)], spec)
+    differentiated = {pos: tree_unflatten([next(leaves) for _ in range(spec.num_leaves)], spec)
+                      for pos, spec in zip(positions, specs)}
+    # Only the other arguments go through vmap (the differentiated ones are
+    # unbatched: vmap would pass them through unchanged, after flattening them).
+    others = [i for i in range(len(args)) if i not in differentiated]
     tapes: List[Tape] = []
 
-    def per_sample(*one: Any) -> Any:
+    def per_sample(*batched_args: Any) -> Any:
         level = current_transform_level()
-        tape = Tape(params, _batch_size(one, level), level)
+        tape = Tape(params, _batch_size(batched_args, level), level)
         tapes.append(tape)
+        one = list(batched_args)
+        for pos in sorted(differentiated):
+            one.insert(pos, differentiated[pos])
         with Interceptor(tape, RULES):
             out = loss(*one)
         if has_aux:
@@ -200,7 +221,8 @@ def _clipped_grad(loss: Callable[..., Any], max_norm: float, in_dims: Any, argnu
         return out
 
     with torch.enable_grad():
-        out = vmap(per_sample, in_dims=dims, randomness=randomness)(*sample_args)
+        out = vmap(per_sample, in_dims=tuple(dims[i] for i in others),
+                   randomness=randomness)(*(args[i] for i in others))
         losses, aux = out if has_aux else (out, None)
         tape = tapes[-1]
         _backward(losses, tape, params)
