@@ -98,7 +98,7 @@ def clipped_grad(loss: Callable[..., Any], max_norm: float, *, in_dims: Any = No
 
     @functools.wraps(loss)
     def clipped(*args: Any) -> Any:
-        return _clipped_grad(loss, float(max_norm), in_dims, argnums, has_aux, randomness, args)
+        return _run(loss, float(max_norm), in_dims, argnums, has_aux, randomness, args)
 
     return clipped
 
@@ -256,3 +256,17 @@ def _backward(losses: Tensor, tape: Tape, params: List[Param]) -> None:
         use.set_grad(g)
     for p, g in zip(copies, grads[len(tape.uses):]):
         p.copy_grad = g
+
+
+# How ``clipped`` runs: eagerly, and under torch.compile too (see
+# register_compile_fallback).
+_run = _clipped_grad
+
+
+def register_compile_fallback(dynamo: Any) -> None:
+    """torch.compile does not trace clipped_grad (its TorchFunctionMode, its
+    own vmap levels and autograd.grad): a compiled function calling it breaks
+    the graph there and runs it eagerly. Registered once ``torch._dynamo`` is
+    imported (Note [Registering with optional torch subsystems lazily])."""
+    global _run
+    _run = dynamo.disable(_clipped_grad)
