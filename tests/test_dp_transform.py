@@ -48,7 +48,8 @@ def labels(dim):
     return torch.randint(3, (BATCH,) if dim is not None else (), generator=g)
 
 
-@pytest.mark.parametrize("x_dim,y_dim", [(xd, yd) for xd, yd in itertools.product((0, 1, None), (0, None))
+@pytest.mark.parametrize("x_dim,y_dim", [(xd, yd) for xd, yd in itertools.product((0, 1, None),
+                                                                                (0, None))
                                          if (xd, yd) != (None, None)])
 def test_every_in_dims_combination(x_dim, y_dim) -> None:
     """x: one sample is [2, 4] (two rows), batched at dim 0 or 1 or shared; y batched or shared."""

@@ -87,10 +87,12 @@ def intercept_linear(tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) 
     x, w, b = bound
     a = physical(tape, x)
     weight = tape.param(w)
-    if weight is not None and a is not None and w.dim() == 2 and a.dim() >= 2 and a.shape[-1] != w.shape[1]:
+    if (weight is not None and a is not None and w.dim() == 2 and a.dim() >= 2
+            and a.shape[-1] != w.shape[1]):
         raise RuntimeError(
-            f"clipped_grad: F.linear with weight {weight.name} of shape {tuple(w.shape)}: the input's "
-            f"per-sample shape {tuple(x.shape)} has {x.shape[-1]} features, expected {w.shape[1]}")
+            f"clipped_grad: F.linear with weight {weight.name} of shape {tuple(w.shape)}: the "
+            f"input's per-sample shape {tuple(x.shape)} has {x.shape[-1]} features, expected "
+            f"{w.shape[1]}")
     if not ghostable(tape, a, w, b):
         return NOT_HANDLED
     batch, lead = a.shape[0], a.shape[1:-1]
@@ -121,14 +123,12 @@ def weight_norms_sq(param: Param, bias: Optional[Param]) -> Tensor:
     return squares + g.sum(1).square().sum(1) if bias is not None else squares
 
 
-def weight_clipped_sum(param: Param, coef: Tensor, bias: Optional[Param]) -> Tuple[Tensor, Optional[Tensor]]:
+def weight_clipped_sum(param: Param, coef: Tensor,
+                       bias: Optional[Param]) -> Tuple[Tensor, Optional[Tensor]]:
     """``sum_i c_i g_i^T a_i`` in one GEMM (and the bias' ``sum_i c_i sum_t g_i,t``
     in the same call when ``bias`` is used by exactly the same calls)."""
     w = param.leaf.detach()
-    uses = _live(param.uses)
-    if not uses:
-        return torch.zeros_like(w), (torch.zeros_like(bias.leaf) if bias is not None else None)
-    a, g = _rows(uses)
+    a, g = _rows(_live(param.uses))
     c = coef.to(g.dtype).view(-1, 1, 1)
     if bias is None and a.shape[-1] < g.shape[-1]:
         a = a * c

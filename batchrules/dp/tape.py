@@ -140,12 +140,6 @@ class Tape:
         self.versions.clear()
 
 
-def all_uses_of(param: Param, kind: type, role: str) -> bool:
-    """Whether every use of ``param`` is a ``kind`` use in ``role``."""
-    return bool(param.uses) and all(
-        isinstance(u, kind) and u.roles()[param] == role for u in param.uses)
-
-
 def zeros_grad(param: Param, batch_size: int) -> Tensor:
     return torch.zeros((batch_size, *param.leaf.shape), dtype=param.leaf.dtype,
                        device=param.leaf.device)

@@ -29,10 +29,11 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 from torch.func import vmap
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
+from torch.utils._pytree import (keystr, tree_flatten, tree_flatten_with_path, tree_map,
+                                 tree_unflatten)
 
 from .._compat import batched_level, current_transform_level, unwrap_batched
-from .clipping import EPS, clip
+from .clipping import clip
 from .interceptor import Interceptor
 from .rules import RULES
 from .tape import Param, Tape
@@ -51,11 +52,12 @@ def clipped_grad(loss: Callable[..., Any], max_norm: float, *, in_dims: Any = No
         norms[i]    = L2 norm of sample i's gradient over all differentiated tensors
         clipped_sum = sum_i min(1, max_norm / (norms[i] + 1e-6)) * per[i]
 
-    (eps = 1e-6 as in Opacus), but computed from each layer's input and output
-    gradient with one forward and one backward: the per-sample gradients of
-    linear, convolution (1d/2d), embedding and self-attention weights are
-    never formed; other tensors (norm layers' affine parameters, anything used
-    outside those ops) get per-sample gradients of their own size.
+    (eps = ``batchrules.dp.EPS`` = 1e-6, as in Opacus), but computed from each
+    layer's input and output gradient with one forward and one backward: the
+    per-sample gradients of linear, convolution (1d/2d), embedding and
+    self-attention weights are never formed whole; biases, LayerNorm's affine
+    parameters and tensors used outside those ops get per-sample gradients of
+    their own size.
 
     Args:
         loss: ``loss(*args) -> scalar tensor`` for ONE sample (or
@@ -149,7 +151,8 @@ def _params(args: Tuple[Any, ...], positions: Tuple[int, ...]) -> Tuple[List[Par
                 raise ValueError(f"clipped_grad: {namer(k)} is an nn.Parameter with "
                                  "requires_grad=False (frozen); leave it out of the differentiated "
                                  "argument (pass it in another, unbatched argument) or unfreeze it")
-            params.append(Param(len(params), functools.partial(namer, k), leaf.detach().requires_grad_()))
+            leaf = leaf.detach().requires_grad_()  # see Note [Forward under vmap, backward outside it]
+            params.append(Param(len(params), functools.partial(namer, k), leaf))
         specs.append(spec)
     return params, specs
 
@@ -229,7 +232,8 @@ def _clipped_grad(loss: Callable[..., Any], max_norm: float, in_dims: Any, argnu
     with torch.no_grad():
         sums, norms = clip(params, tape.batch_size, max_norm)
     it = iter(sums)
-    results = tuple(tree_unflatten([next(it) for _ in range(spec.num_leaves)], spec) for spec in specs)
+    results = tuple(tree_unflatten([next(it) for _ in range(spec.num_leaves)], spec)
+                    for spec in specs)
     result = (results if isinstance(argnums, tuple) else results[0], norms)
     return (result, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, aux)) \
         if has_aux else result
@@ -244,7 +248,8 @@ def _backward(losses: Tensor, tape: Tape, params: List[Param]) -> None:
     grads: Tuple[Optional[Tensor], ...] = (None,) * len(inputs)
     if losses.requires_grad and inputs:
         grads = torch.autograd.grad(losses.sum(), inputs, allow_unused=True)
-    escaped = [p.name for p, g in zip(params, grads[len(tape.uses) + len(copies):]) if g is not None]
+    leaf_grads = grads[len(tape.uses) + len(copies):]
+    escaped = [p.name for p, g in zip(params, leaf_grads) if g is not None]
     if escaped:
         raise RuntimeError(
             f"clipped_grad: {', '.join(escaped)} reached the loss through a call the interception "
