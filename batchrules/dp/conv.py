@@ -153,19 +153,27 @@ class ConvUse(Use):
 
     def clipped_sum(self, coef: Tensor, with_bias: bool) -> Tuple[Tensor, Optional[Tensor]]:
         """``sum_i c_i`` (weight gradient of sample i), and its bias': from the
-        kept per-sample gradients, or one weight-gradient kernel with c folded into g."""
+        kept per-sample gradients, or one weight-gradient kernel with c folded
+        into the smaller of input and output gradient (the kernel is bilinear
+        in them; scaling the larger would copy it: small_cnn's first conv has
+        12x more output gradient than input)."""
         w = self.weight.leaf.detach()
         c = coef.to(self.grad.dtype)
+        x, g, per_sample = self.input, self.grad, (self.samples, -1)
+        fuse_bias = with_bias and self.kept is None and g.numel() <= x.numel()
+        grad_b = None
+        if with_bias and not fuse_bias:  # sum_i c_i (its bias gradient): one GEMV
+            grad_b = torch.mv(self.per_sample_grad("bias").t(), c)
         if self.kept is not None:
-            grad_b = (torch.einsum("b,bn...->...", c, self.grad.view(self.samples, self.images,
-                                                                     *self.grad.shape[1:]))
-                      .flatten(1).sum(1) if with_bias else None)
             return torch.mv(self.kept.t(), c).view_as(w), grad_b
-        g = (self.grad.view(self.samples, -1) * c.view(-1, 1)).view_as(self.grad)
-        _, grad_w, grad_b = torch.ops.aten.convolution_backward(
-            g, self.input, w, [w.shape[0]] if with_bias else None, self.stride, self.padding,
-            self.dilation, False, [0] * len(self.stride), self.groups, [False, True, with_bias])
-        return grad_w, grad_b
+        if fuse_bias or g.numel() <= x.numel():
+            g = (g.reshape(per_sample) * c.view(-1, 1)).view(g.shape)
+        else:
+            x = (x.reshape(per_sample) * c.view(-1, 1)).view(x.shape)
+        _, grad_w, fused_b = torch.ops.aten.convolution_backward(
+            g, x, w, [w.shape[0]] if fuse_bias else None, self.stride, self.padding,
+            self.dilation, False, [0] * len(self.stride), self.groups, [False, True, fuse_bias])
+        return grad_w, fused_b if fuse_bias else grad_b
 
 
 def intercept_conv(tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

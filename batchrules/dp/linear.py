@@ -125,18 +125,22 @@ def weight_norms_sq(param: Param, bias: Optional[Param]) -> Tensor:
 
 def weight_clipped_sum(param: Param, coef: Tensor,
                        bias: Optional[Param]) -> Tuple[Tensor, Optional[Tensor]]:
-    """``sum_i c_i g_i^T a_i`` in one GEMM (and the bias' ``sum_i c_i sum_t g_i,t``
-    in the same call when ``bias`` is used by exactly the same calls)."""
+    """``sum_i c_i g_i^T a_i`` in one GEMM, c folded into the narrower of a and
+    g; the bias' ``sum_i c_i sum_t g_i,t`` (when ``bias`` is used by exactly
+    the same calls) in the same call when g is the one scaled, else one GEMV."""
     w = param.leaf.detach()
     a, g = _rows(_live(param.uses))
-    c = coef.to(g.dtype).view(-1, 1, 1)
-    if bias is None and a.shape[-1] < g.shape[-1]:
-        a = a * c
+    c = coef.to(g.dtype)
+    grad_b = None
+    if a.shape[-1] < g.shape[-1]:
+        if bias is not None:
+            grad_b = torch.mv(g.sum(1).t(), c)
+        a, with_bias = a * c.view(-1, 1, 1), False
     else:
-        g = g * c
-    _, grad_w, grad_b = linear_backward(a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1]), w,
-                                        (False, True, bias is not None))
-    return grad_w, grad_b
+        g, with_bias = g * c.view(-1, 1, 1), bias is not None
+    _, grad_w, fused_b = linear_backward(a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1]), w,
+                                         (False, True, with_bias))
+    return grad_w, fused_b if with_bias else grad_b
 
 
 # Note [One parameter, several uses]
