@@ -174,6 +174,23 @@ def test_tied_linear_uses_and_mixed_uses() -> None:
     assert_close_rel(batchrules.clipped_grad(loss, 0.5)(*args), loop_clipped_grad(loss, 0.5, args))
 
 
+def test_outputs_modified_in_place() -> None:
+    """Note [Tapping an output that may later change in place]: in place on an
+    output and on a view of it."""
+    params, x, y = mlp_params(), batched((4,), 0), labels(0)
+
+    def loss(p, xi, yi):
+        h = F.linear(xi, p["w1"], p["b1"])
+        h[:2].mul_(3.0)
+        h.tanh_()
+        logits = F.linear(h, p["w2"], p["b2"])
+        logits.add_(1.0)
+        return F.cross_entropy(logits, yi)
+
+    assert_close_rel(batchrules.clipped_grad(loss, 0.5)(params, x, y),
+                     loop_clipped_grad(loss, 0.5, (params, x, y)))
+
+
 def test_batchrules_linear_and_nested_vmap_in_the_loss() -> None:
     params = mlp_params()
 

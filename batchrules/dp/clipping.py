@@ -2,21 +2,27 @@
 
 Each parameter is handled by the kind of its uses (the calls whose output
 reached the loss):
-  linear       only linear weight uses             cost.py's choice, one GEMM
-  conv         one convolution weight use          unfolded patches, one kernel
-  embedding    only embedding uses                 per-index sums, one kernel
-  bias         only bias uses (linear / conv)      [B, O] per-sample sums
-  materialized anything else: per-sample copies, or uses of several kinds
-               (Note [One parameter, several uses] in linear.py)
-  zero         no use reached the loss              zeros
+  kind          uses                                 norms / clipped sum
+  linear        only linear weight uses              cost.py's choice / one GEMM
+  conv          one convolution weight use           conv.py's choice / one kernel
+  embedding     only embedding uses                  per-index sums / one kernel
+  bias          only bias uses (linear, conv,        [B, *shape] per-sample
+                layer norm)                          gradients / one GEMV
+  materialized  anything else: a per-sample copy     [B, *shape] per-sample
+                (tape.py), a LayerNorm weight, or    gradients / one GEMV
+                uses of several kinds (Note [One parameter, several uses])
+  zero          no use reached the loss              zeros
+A bias used by exactly the calls of its weight is summed with it.
 """
-from typing import Dict, List, Optional, Tuple
+from collections import Counter
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import embedding
 from .conv import ConvUse
+from .cost import sq_norms
 from .embedding import EmbeddingUse
 from .linear import LinearUse, weight_clipped_sum, weight_norms_sq
 from .tape import Param, Use, zeros_grad
@@ -85,7 +91,7 @@ def _norms(params: List[Param], kinds: Dict[Param, str], fused: Dict[Param, Para
             squares.append(embedding.norms_sq(_live(p), batch))  # type: ignore[arg-type]
         elif k in ("bias", "materialized") and p not in in_weight_norm:
             per_sample[p] = per_sample_grad(p, batch)
-            squares.append(per_sample[p].flatten(1).square().sum(1))
+            squares.append(sq_norms(per_sample[p].flatten(1), 1))
     if not squares:
         return torch.zeros(batch, dtype=params[0].leaf.dtype if params else None,
                            device=params[0].leaf.device if params else None)
@@ -96,18 +102,23 @@ def _norms(params: List[Param], kinds: Dict[Param, str], fused: Dict[Param, Para
 
 
 def _clipped_sum(p: Param, k: str, coef: Tensor, fused: Dict[Param, Param],
-                 per_sample: Dict[Param, Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+                 per_sample: Dict[Param, Tensor],
+                 owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
     """The clipped sum of ``p`` (and of its fused bias)."""
     if k == "linear":
-        return weight_clipped_sum(p, coef, fused.get(p))
+        return weight_clipped_sum(p, coef, fused.get(p), owned)
     if k == "conv":
-        return _live(p)[0].clipped_sum(coef, p in fused)  # type: ignore[attr-defined]
+        return _live(p)[0].clipped_sum(coef, p in fused, owned)  # type: ignore[attr-defined]
     if k == "embedding":
         return embedding.clipped_sum(_live(p), coef), None  # type: ignore[arg-type]
     if k in ("bias", "materialized"):
         g = per_sample.pop(p)
         return torch.tensordot(coef.to(g.dtype), g, dims=1), None
     return torch.zeros_like(p.leaf), None
+
+
+def _storage(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def clip(params: List[Param], batch: int, max_norm: float) -> Tuple[List[Tensor], Tensor]:
@@ -128,12 +139,21 @@ def clip(params: List[Param], batch: int, max_norm: float) -> Tuple[List[Tensor]
     norms = _norms(params, kinds, fused, per_sample, batch)
     coef = (max_norm / (norms + EPS)).clamp(max=1.0)
 
+    # An output gradient is read once more, by its weight's clipped sum, which
+    # may then scale it in place: unless autograd handed the same storage to
+    # several recorded outputs (an add's backward passes one tensor to both).
+    live = {id(u): u for p in params for u in _live(p)}
+    storages = Counter(_storage(u.grad) for u in live.values())
+
+    def owned(g: Tensor) -> bool:
+        return storages[_storage(g)] == 1
+
     sums: Dict[Param, Tensor] = {}
     fused_biases = set(fused.values())
     for p in sorted(params, key=lambda q: q.leaf.numel()):
         if p in sums or p in fused_biases:
             continue
-        sums[p], grad_b = _clipped_sum(p, kinds[p], coef, fused, per_sample)
+        sums[p], grad_b = _clipped_sum(p, kinds[p], coef, fused, per_sample, owned)
         if p in fused:
             sums[fused[p]] = grad_b
         for use in _live(p):

@@ -21,13 +21,13 @@ second weight-gradient kernel.
 """
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .cost import chunked, ghost_is_cheaper, pair_norms_sq, transient_per_sample
+from .cost import chunked, ghost_is_cheaper, pair_norms_sq, sq_norms, transient_per_sample
 from .interceptor import NOT_HANDLED, batched, bind, physical
 from .linear import shared_bias
 from .tape import Param, Tape, Use, tap, weight_for
@@ -147,16 +147,17 @@ class ConvUse(Use):
                            lambda s: pair_norms_sq(self.patches(s), self.grads(s)))
         if self.samples * w.numel() <= budget:
             self.kept = self.grouped_grads(slice(0, self.samples))
-            return self.kept.square().sum(1)
+            return sq_norms(self.kept, 1)
         return chunked(self.samples, w.numel(), budget,
-                       lambda s: self.grouped_grads(s).square().sum(1))
+                       lambda s: sq_norms(self.grouped_grads(s), 1))
 
-    def clipped_sum(self, coef: Tensor, with_bias: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    def clipped_sum(self, coef: Tensor, with_bias: bool,
+                    owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
         """``sum_i c_i`` (weight gradient of sample i), and its bias': from the
         kept per-sample gradients, or one weight-gradient kernel with c folded
         into the smaller of input and output gradient (the kernel is bilinear
         in them; scaling the larger would copy it: small_cnn's first conv has
-        12x more output gradient than input)."""
+        12x more output gradient than input); g in place when ``owned(g)``."""
         w = self.weight.leaf.detach()
         c = coef.to(self.grad.dtype)
         x, g, per_sample = self.input, self.grad, (self.samples, -1)
@@ -166,7 +167,9 @@ class ConvUse(Use):
             grad_b = torch.mv(self.per_sample_grad("bias").t(), c)
         if self.kept is not None:
             return torch.mv(self.kept.t(), c).view_as(w), grad_b
-        if fuse_bias or g.numel() <= x.numel():
+        if (fuse_bias or g.numel() <= x.numel()) and owned(g):
+            g = g.view(per_sample).mul_(c.view(-1, 1)).view(g.shape)
+        elif fuse_bias or g.numel() <= x.numel():
             g = (g.reshape(per_sample) * c.view(-1, 1)).view(g.shape)
         else:
             x = (x.reshape(per_sample) * c.view(-1, 1)).view(x.shape)

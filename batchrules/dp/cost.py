@@ -22,10 +22,15 @@ until the clipped sum anyway), or one sample's worth when that is more: the
 norms never hold a B x (layer parameters) tensor beyond that bound.
 """
 import math
-from typing import Callable, List
+from typing import Callable, List, Sequence, Union
 
 import torch
 from torch import Tensor
+
+
+def sq_norms(t: Tensor, dims: Union[int, Sequence[int]]) -> Tensor:
+    """Squared L2 norms over ``dims``, by one reduction (no squared copy of ``t``)."""
+    return torch.linalg.vector_norm(t, dim=dims).square()
 
 
 def ghost_is_cheaper(rows: int, in_features: int, out_features: int) -> bool:
@@ -47,14 +52,14 @@ def pair_norms_sq(a: Tensor, g: Tensor) -> Tensor:
     groups, summed over), by the cheaper way (Note [Ghost or materialized norm])."""
     rows, in_f, out_f = a.shape[-2], a.shape[-1], g.shape[-1]
     if rows == 1:
-        return (a.square().sum(-1) * g.square().sum(-1)).flatten(1).sum(1)
+        return (sq_norms(a, -1) * sq_norms(g, -1)).flatten(1).sum(1)
     if ghost_is_cheaper(rows, in_f, out_f):
         # B,T,I x B,I,T -> B,T,T (and the same for g)
         aat = torch.matmul(a, a.transpose(-1, -2))
         ggt = torch.matmul(g, g.transpose(-1, -2))
         return (aat * ggt).flatten(1).sum(1)
     # B,O,T x B,T,I -> B,O,I
-    return torch.matmul(g.transpose(-1, -2), a).square().flatten(1).sum(1)
+    return sq_norms(torch.matmul(g.transpose(-1, -2), a).flatten(1), 1)
 
 
 def chunked(batch: int, per_sample_elements: int, budget_elements: int,

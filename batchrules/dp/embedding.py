@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .cost import sq_norms
 from .interceptor import NOT_HANDLED, batched, bind, physical
 from .tape import Param, Tape, Use, tap, weight_for
 
@@ -80,7 +81,7 @@ def norms_sq(uses: List[EmbeddingUse], batch: int) -> Tensor:
     keys, g = _all_keys(uses)
     unique, inverse = torch.unique(keys, return_inverse=True)
     summed = g.new_zeros(unique.shape[0], g.shape[1]).index_add_(0, inverse, g)
-    per_row = summed.square().sum(1)
+    per_row = sq_norms(summed, 1)
     vocab = uses[0].weight.leaf.shape[0]
     return per_row.new_zeros(batch).index_add_(0, unique // vocab, per_row)
 

@@ -9,7 +9,7 @@ is one ``batchrules.linear_backward`` GEMM over all rows with c folded into g
 """
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .._compat import batched_level
 from ..ops import linear_backward
-from .cost import rows_norms_sq
+from .cost import rows_norms_sq, sq_norms
 from .interceptor import NOT_HANDLED, batched, bind, physical
 from .tape import Param, Tape, Use, tap, weight_for
 
@@ -117,19 +117,21 @@ def weight_norms_sq(param: Param, bias: Optional[Param]) -> Tensor:
     by exactly the same calls): with one row, ``||g_i||^2 (||a_i||^2 + 1)``."""
     a, g = _rows(_live(param.uses))
     if a.shape[1] == 1:
-        g_sq, a_sq = g.square().sum((1, 2)), a.square().sum((1, 2))
+        g_sq, a_sq = sq_norms(g, (1, 2)), sq_norms(a, (1, 2))
         return g_sq * (a_sq + 1) if bias is not None else g_sq * a_sq
     squares = rows_norms_sq(a, g)
-    return squares + g.sum(1).square().sum(1) if bias is not None else squares
+    return squares + sq_norms(g.sum(1), 1) if bias is not None else squares
 
 
-def weight_clipped_sum(param: Param, coef: Tensor,
-                       bias: Optional[Param]) -> Tuple[Tensor, Optional[Tensor]]:
+def weight_clipped_sum(param: Param, coef: Tensor, bias: Optional[Param],
+                       owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
     """``sum_i c_i g_i^T a_i`` in one GEMM, c folded into the narrower of a and
-    g; the bias' ``sum_i c_i sum_t g_i,t`` (when ``bias`` is used by exactly
-    the same calls) in the same call when g is the one scaled, else one GEMV."""
+    g (into g in place when ``owned(g)``); the bias' ``sum_i c_i sum_t g_i,t``
+    (when ``bias`` is used by exactly the same calls) in the same call when g
+    is the one scaled, else one GEMV."""
     w = param.leaf.detach()
-    a, g = _rows(_live(param.uses))
+    uses = _live(param.uses)
+    a, g = _rows(uses)
     c = coef.to(g.dtype)
     grad_b = None
     if a.shape[-1] < g.shape[-1]:
@@ -137,7 +139,9 @@ def weight_clipped_sum(param: Param, coef: Tensor,
             grad_b = torch.mv(g.sum(1).t(), c)
         a, with_bias = a * c.view(-1, 1, 1), False
     else:
-        g, with_bias = g * c.view(-1, 1, 1), bias is not None
+        in_place = len(uses) > 1 or owned(g)  # several uses: g is a concatenated copy
+        g = g.mul_(c.view(-1, 1, 1)) if in_place else g * c.view(-1, 1, 1)
+        with_bias = bias is not None
     _, grad_w, fused_b = linear_backward(a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1]), w,
                                          (False, True, with_bias))
     return grad_w, fused_b if with_bias else grad_b

@@ -16,8 +16,6 @@ class Use:
     is not a view; see Note [Tapping an output that may later change in
     place]); after the backward, ``grad`` holds ``d sum_i loss_i / d out``,
     reshaped by ``set_grad``, or None when the output did not reach the loss.
-    ``inputs`` are the recorded physical inputs, checked for later in-place
-    changes.
     """
 
     edge: GradientEdge
