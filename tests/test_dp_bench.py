@@ -15,7 +15,7 @@ from batchrules.bench.runner import run_case
 from batchrules.bench.timing import TimingPlan
 
 ROOT = Path(__file__).resolve().parents[1]
-DP_SMOKE = ("dp_mlp/b8", "dp_cnn/b8", "dp_transformer/b8")
+DP_SMOKE = ("dp_mlp/b8", "dp_cnn/b8", "dp_transformer/d64t16_b8")
 PLAN = TimingPlan(block_s=0.001, budget_s=0.01, min_repeats=2, max_repeats=2, warmup_calls=0)
 
 

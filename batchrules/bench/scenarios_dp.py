@@ -11,7 +11,7 @@ Variants of one step (max_norm 1, cross-entropy per sample):
 Each returns the clipped sums (parameter order) then the norms, checked
 against a float64 per-sample loop.
 """
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -30,9 +30,12 @@ MLP_SPEC = MlpSpec((784, 512, 512, 10))
 MLP_BATCHES = ((8, "small", {"smoke"}), (32, "medium", {"quick", "full"}),
                (128, "large", {"quick", "full"}), (512, "large", {"full"}))
 CNN_BATCHES = ((8, "small", {"smoke"}), (32, "medium", {"quick", "full"}), (128, "large", {"full"}))
-ENCODER_BATCHES = ((8, "small", {"smoke"}), (32, "medium", {"quick", "full"}))
-# d_model, heads, feed-forward width, tokens per sample
-ENCODER = (64, 4, 128, 16)
+# ((d_model, heads, feed-forward width, tokens per sample), batch, tier, modes): the
+# fixed cost of a step weighs most on the smallest layer
+ENCODER_CASES = (((64, 4, 128, 16), 8, "small", {"smoke"}),
+                 ((64, 4, 128, 16), 32, "small", {"quick", "full"}),
+                 ((128, 4, 512, 32), 32, "medium", {"quick", "full"}),
+                 ((256, 8, 1024, 32), 32, "large", {"full"}))
 
 
 class Encoder(nn.Module):
@@ -142,8 +145,8 @@ def _cnn_case(batch: int, tier: str) -> Case:
                 f"DP-SGD clipping, CNN conv5x16-conv5x32-fc64-fc10 on 28x28, batch {batch}", build)
 
 
-def _encoder_case(batch: int, tier: str) -> Case:
-    d_model, heads, ff, tokens = ENCODER
+def _encoder_case(config: Tuple[int, int, int, int], batch: int, tier: str) -> Case:
+    d_model, heads, ff, tokens = config
 
     def build(device: torch.device) -> CaseSetup:
         model = Encoder(d_model, heads, ff).to(device)
@@ -151,7 +154,7 @@ def _encoder_case(batch: int, tier: str) -> Case:
         y = torch.randint(0, 10, (batch,), device=device)
         return _dp_setup(model, x, y)
 
-    return Case("dp_transformer", f"b{batch}", tier, 5,
+    return Case("dp_transformer", f"d{d_model}t{tokens}_b{batch}", tier, 5,
                 f"DP-SGD clipping, TransformerEncoderLayer(d={d_model}, heads={heads}, ff={ff}) "
                 f"over {tokens} tokens + linear head, batch {batch}", build)
 
@@ -160,4 +163,4 @@ def cases(mode: str) -> List[Case]:
     """DP-SGD cases (MLP, CNN, transformer layer) for a mode."""
     return ([_mlp_case(b, t) for b, t, m in MLP_BATCHES if mode in m]
             + [_cnn_case(b, t) for b, t, m in CNN_BATCHES if mode in m]
-            + [_encoder_case(b, t) for b, t, m in ENCODER_BATCHES if mode in m])
+            + [_encoder_case(c, b, t) for c, b, t, m in ENCODER_CASES if mode in m])

@@ -88,7 +88,7 @@ def dp_checks(r: CaseResult) -> List[Optional[TargetCheck]]:
     """The DP-SGD targets of one DP row (scenarios_dp), for ``clipped_grad``."""
     checks: List[Optional[TargetCheck]] = []
     name = r.case.name
-    if any(name.startswith(n) for n in DP_NEAR_NONPRIVATE) and r.case.tier != "small":
+    if any(name.startswith(n) for n in DP_NEAR_NONPRIVATE):
         checks.append(_speed_check("DP: clipped_grad <= 1.2x the non-private step "
                                    "(nonprivate / clipped_grad >= 0.83)", r,
                                    "nonprivate", "clipped_grad", 1 / 1.2))
