@@ -22,7 +22,7 @@ _METADATA_METHODS = frozenset({
     "dim", "ndimension", "size", "numel", "nelement", "stride", "storage_offset",
     "is_contiguous", "is_floating_point", "is_complex", "is_signed", "element_size",
     "get_device", "data_ptr", "untyped_storage", "__len__", "__format__", "__repr__",
-    "__hash__", "detach", "type", "is_inference", "has_names", "is_set_to", "is_shared",
+    "__hash__", "detach", "is_inference", "has_names", "is_set_to", "is_shared",
 })
 
 
