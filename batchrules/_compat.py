@@ -62,3 +62,13 @@ def only_vmaps_above(level: int) -> bool:
 
     return all(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters()
                if i.level() > level)
+
+
+def version_counter(tensor: Tensor) -> int:
+    """The tensor's in-place modification counter (shared with its views)."""
+    return tensor._version
+
+
+def is_view(tensor: Tensor) -> bool:
+    """Whether autograd tracks ``tensor`` as a view of another tensor."""
+    return tensor._is_view()

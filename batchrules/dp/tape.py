@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from .._compat import add_batch_dim, allow_requires_grad
+from .._compat import add_batch_dim, allow_requires_grad, is_view, version_counter
 
 
 class Use:
@@ -54,7 +54,7 @@ class Use:
 # to that copy, which the backward does not ask for.
 def tap(out: Tensor) -> GradientEdge:
     """The edge a rule's physical output is read back through."""
-    if out._is_view() or out.grad_fn is None:
+    if is_view(out) or out.grad_fn is None:
         raise AssertionError("clipped_grad: a tapped output must be a fresh tensor with a node")
     return get_gradient_edge(out)
 
@@ -116,7 +116,7 @@ class Tape:
         for param in use.roles():
             param.uses.append(use)
         for t in inputs:
-            self.versions.append((t, t._version, use, op))
+            self.versions.append((t, version_counter(t), use, op))
 
     def per_sample_copy(self, param: Param) -> Tensor:
         """The batched per-sample copy of ``param`` (Note [Per-sample copies])."""
@@ -129,7 +129,7 @@ class Tape:
     def check_inputs_unchanged(self) -> None:
         """Raises if a recorded input changed in place; then forgets them."""
         for t, version, use, op in self.versions:
-            if t._version != version:
+            if version_counter(t) != version:
                 weight = next(p for p, role in use.roles().items() if role == "weight")
                 raise RuntimeError(
                     f"clipped_grad: the input of the {op} of {weight.name} was modified in place "
