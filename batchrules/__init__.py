@@ -9,6 +9,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C  # noqa: F401  (registers the operators)
 from ._post_import import when_imported as _when_imported
 from .decompositions import register_decompositions as _register_decompositions
+from .dp import clipped_grad  # noqa: F401  (batchrules.clipped_grad)
 from .ops import linear, linear_backward
 from .ops import register_compile_polyfill as _register_compile_polyfill
 from .routing import disable, enable, enabled, is_enabled

@@ -21,12 +21,15 @@ class Variant:
     ``user_code``: ``fn`` is the user's own code (a plain Python function), as
     they would hand it to ``torch.compile``; the runner then adds a compiled
     twin ``<name>_compiled`` (See Note [Compiled twins] in ``compiled.py``).
+    ``reference``: this variant's own float64 reference, for a variant that
+    computes something else than the case's (None: the case's).
     """
 
     name: str
     fn: Callable[[], Any]
     routing: Optional[bool] = None
     user_code: bool = False
+    reference: Optional[Callable[[], Any]] = None
 
     def context(self) -> ContextManager[None]:
         """The routing state this variant is run (and profiled) under."""

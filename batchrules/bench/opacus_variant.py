@@ -1,8 +1,8 @@
-"""The Opacus variant of per-sample-gradient scenarios (GradSampleModule hooks)."""
+"""The Opacus variants: per-sample gradients (GradSampleModule hooks) and DP-SGD clipping."""
 import copy
 import importlib
 import warnings
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -54,3 +54,128 @@ def opacus_variant(
 
 def cross_entropy_sum(out: Tensor, target: Tensor) -> Tensor:
     return torch.nn.functional.cross_entropy(out, target, reduction="sum")
+
+
+# ---- DP-SGD clipping (scenarios_dp) --------------------------------------------------
+
+def _opacus_ready(model: nn.Module) -> Tuple[nn.Module, Callable[[List[Tensor]], List[Tensor]]]:
+    """A copy of the model as an Opacus user trains it: ModuleValidator.fix
+    swaps the layers Opacus cannot hook (nn.MultiheadAttention ->
+    DPMultiheadAttention, with the same weights, its packed in-projection
+    split into q/k/v linears). Also returns the map from gradients of the
+    copy's trainable parameters to gradients in the model's parameter order."""
+    from opacus.validators import ModuleValidator
+
+    fixed = ModuleValidator.fix(copy.deepcopy(model))
+    names = [n for n, p in fixed.named_parameters() if p.requires_grad]
+
+    def to_model_order(grads: List[Tensor]) -> List[Tensor]:
+        by_name = dict(zip(names, grads))
+        out = []
+        for name, _ in model.named_parameters():
+            if name in by_name:
+                out.append(by_name[name])
+            else:  # in_proj_weight / in_proj_bias -> q, k, v linears
+                prefix, kind = name.rsplit(".", 1)
+                part = kind.replace("in_proj_", "")
+                out.append(torch.cat([by_name[f"{prefix}.{q}linear.{part}"] for q in "qkv"]))
+        return out
+
+    return fixed, to_model_order
+
+
+Reference = Callable[[nn.Module], List[Tensor]]
+
+
+def _own_reference(variant: Variant, model: nn.Module, fixed: nn.Module,
+                   to_model_order: Callable[[List[Tensor]], List[Tensor]],
+                   reference_of: Reference) -> Variant:
+    """Where ModuleValidator.fix changed the model, the variant is checked
+    against the fixed model's own reference: Opacus 1.6's DPMultiheadAttention
+    with batch_first=True reshapes its heads' outputs without moving the
+    head dim back, a different function from nn.MultiheadAttention's."""
+    if [n for n, _ in fixed.named_parameters()] != [n for n, _ in model.named_parameters()]:
+        pristine = copy.deepcopy(fixed)  # before Opacus' hooks are attached to ``fixed``
+
+        def reference() -> List[Tensor]:
+            *sums, norms = reference_of(pristine)
+            return [*to_model_order(sums), norms]
+
+        variant.reference = reference
+    return variant
+
+
+def opacus_clip_variant(
+    model: nn.Module, x: Tensor, y: Tensor, loss_sum: Callable[[Tensor, Tensor], Tensor],
+    max_norm: float, reference_of: Reference,
+) -> Optional[Variant]:
+    """``opacus_hooks``: GradSampleModule's per-sample gradients, then the
+    clipping of Opacus' DPOptimizer.clip_and_accumulate (norm over all
+    parameters, factor min(1, C / (norm + 1e-6)), einsum). Returns the clipped
+    sums and the norms. None when Opacus is missing."""
+    if opacus_missing_reason() is not None:
+        return None
+    from opacus import GradSampleModule
+
+    fixed, to_model_order = _opacus_ready(model)
+    variant = _own_reference(Variant("opacus_hooks", lambda: []), model, fixed, to_model_order,
+                             reference_of)
+    module = GradSampleModule(fixed, batch_first=True, loss_reduction="sum")
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def step() -> List[Tensor]:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            loss_sum(module(x), y).backward()
+        samples = [p.grad_sample for p in params]
+        norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in samples], 1).norm(2, dim=1)
+        factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+        sums = [torch.einsum("i,i...", factor, g) for g in samples]
+        for p in params:
+            p.grad_sample = None
+            p.grad = None
+        return [*to_model_order(sums), norms]
+
+    variant.fn = step
+    return variant
+
+
+def opacus_ghost_variant(
+    model: nn.Module, x: Tensor, y: Tensor, criterion_sum: nn.Module, max_norm: float,
+    reference_of: Reference,
+) -> Optional[Variant]:
+    """``opacus_ghost``: what ``make_private(..., grad_sample_mode="ghost")``
+    runs: GradSampleModuleFastGradientClipping, DPOptimizerFastGradientClipping
+    and DPLossFastGradientClipping, whose ``backward()`` is two backward passes
+    (norms from the hooks, then the loss reweighted by the clipping factors).
+    Returns the parameters' ``.grad`` (the clipped sums; no noise) and the
+    norms. None when Opacus is missing."""
+    if opacus_missing_reason() is not None:
+        return None
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    fixed, to_model_order = _opacus_ready(model)
+    variant = _own_reference(Variant("opacus_ghost", lambda: []), model, fixed, to_model_order,
+                             reference_of)
+    module = GradSampleModuleFastGradientClipping(
+        fixed, batch_first=True, loss_reduction="sum", max_grad_norm=max_norm,
+        use_ghost_clipping=True)
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = DPOptimizerFastGradientClipping(
+        torch.optim.SGD(params, lr=0.0), noise_multiplier=0.0, max_grad_norm=max_norm,
+        expected_batch_size=x.shape[0], loss_reduction="sum")
+    criterion = DPLossFastGradientClipping(module, optimizer, criterion_sum, loss_reduction="sum")
+
+    def step() -> List[Tensor]:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            criterion(module(x), y).backward()
+        sums = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return [*to_model_order(sums), module.per_sample_gradient_norms]
+
+    variant.fn = step
+    return variant

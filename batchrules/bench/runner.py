@@ -73,6 +73,11 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{where}"
 
 
+def _reference_of(v: Variant, case_reference: Any) -> Any:
+    """The variant's own float64 reference where it has one, else the case's."""
+    return case_reference if v.reference is None else v.reference()
+
+
 def _prepare(v: Variant, vr: VariantResult, reference: Any, device: torch.device,
              on_stage: Callable[[str], None]) -> bool:
     """Correctness check (which also warms the variant up), kernels, peak memory.
@@ -135,7 +140,7 @@ def run_case(
     for v in setup.variants:
         vr = result.variants[v.name] = VariantResult(v.name)
         on_stage(f"check {v.name}")
-        if _prepare(v, vr, reference, device, on_stage):
+        if _prepare(v, vr, _reference_of(v, reference), device, on_stage):
             runnable.append(v)
     for v in setup.variants if compiled else []:
         if not v.user_code:
@@ -143,7 +148,7 @@ def run_case(
         name = twin_name(v.name)
         vr = result.variants[name] = VariantResult(name)
         on_stage(f"compile {name}")
-        twin = _prepare_twin(v, vr, reference, device)
+        twin = _prepare_twin(v, vr, _reference_of(v, reference), device)
         if twin is not None:
             runnable.append(twin)
     del reference

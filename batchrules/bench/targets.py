@@ -24,6 +24,9 @@ PSG_SCENARIOS = ("psg_mlp", "psg_cnn")
 STOCK_COMPILED, BATCHRULES_COMPILED = twin_name("stock"), twin_name("batchrules")
 COMPILED_TARGET = (f"compiled: not slower than stock compiled "
                    f"({STOCK_COMPILED} / {BATCHRULES_COMPILED} >= 1)")
+DP_SCENARIO = "dp_"
+# The DP rows' step-time targets against the non-private step apply here.
+DP_NEAR_NONPRIVATE = ("dp_mlp/b128", "dp_mlp/b512", "dp_transformer/")
 
 
 @dataclass
@@ -67,6 +70,9 @@ def evaluate(results: List[CaseResult], linear_floor: int) -> List[TargetCheck]:
     for r in results:
         scenario = r.case.scenario
         checks.append(_compiled_check(r))
+        if scenario.startswith(DP_SCENARIO):
+            checks.extend(dp_checks(r))
+            continue
         if scenario.startswith(EAGER_SCENARIO):
             checks.append(_speed_check("eager: F.linear / batchrules.linear >= 0.98", r,
                                        "stock", "batchrules", 0.98))
@@ -122,3 +128,25 @@ def compiled_limit_ratios(results: List[CaseResult]) -> List[LimitRatios]:
         if ratios:
             rows.append(LimitRatios(r.case.name, ratios))
     return rows
+def dp_checks(r: CaseResult) -> List[Optional[TargetCheck]]:
+    """The DP-SGD targets of one DP row (scenarios_dp), for ``clipped_grad``."""
+    checks: List[Optional[TargetCheck]] = []
+    name = r.case.name
+    if any(name.startswith(n) for n in DP_NEAR_NONPRIVATE):
+        checks.append(_speed_check("DP: clipped_grad <= 1.2x the non-private step "
+                                   "(nonprivate / clipped_grad >= 0.83)", r,
+                                   "nonprivate", "clipped_grad", 1 / 1.2))
+    checks.append(_speed_check("DP: clipped_grad >= 1.5x faster than Opacus ghost clipping", r,
+                               "opacus_ghost", "clipped_grad", 1.5))
+    if name == "dp_mlp/b128":
+        checks.append(_speed_check("DP: clipped_grad >= 20x faster than vmap(grad)+clip (stock)", r,
+                                   "stock", "clipped_grad", 20.0))
+    dp, plain = r.variants.get("clipped_grad"), r.variants.get("nonprivate")
+    if dp is not None and plain is not None and dp.peak_bytes and plain.peak_bytes:
+        value = plain.peak_bytes / dp.peak_bytes
+        checks.append(TargetCheck(
+            "DP: clipped_grad peak memory <= 1.3x the non-private step's "
+            "(nonprivate / clipped_grad >= 0.77)", name, value, 1 / 1.3,
+            "met" if value >= 1 / 1.3 else "missed",
+            f"{dp.peak_bytes / 2**20:.1f}MB vs {plain.peak_bytes / 2**20:.1f}MB"))
+    return checks

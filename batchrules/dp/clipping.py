@@ -1,0 +1,162 @@
+"""After the backward: per-sample norms, clipping coefficients, clipped sums.
+
+Each parameter is handled by the kind of its uses (the calls whose output
+reached the loss):
+  kind          uses                                 norms / clipped sum
+  linear        only linear weight uses              cost.py's choice / one GEMM
+  conv          one convolution weight use           conv.py's choice / one kernel
+  embedding     only embedding uses                  per-index sums / one kernel
+  bias          only bias uses (linear, conv,        [B, *shape] per-sample
+                layer norm)                          gradients / one GEMV
+  materialized  anything else: a per-sample copy     [B, *shape] per-sample
+                (tape.py), a LayerNorm weight, or    gradients / one GEMV
+                uses of several kinds (Note [One parameter, several uses])
+  zero          no use reached the loss              zeros
+A bias used by exactly the calls of its weight is summed with it.
+"""
+from collections import Counter
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import embedding
+from .conv import ConvUse
+from .cost import sq_norms
+from .embedding import EmbeddingUse
+from .linear import LinearUse, weight_clipped_sum, weight_norms_sq
+from .tape import Param, Use, zeros_grad
+
+# Added to the norm before dividing, as Opacus does: c_i = min(1, C / (||g_i|| + EPS)).
+EPS = 1e-6
+
+
+def _live(param: Param) -> List[Use]:
+    return [u for u in param.uses if u.grad is not None]
+
+
+def kind(param: Param) -> str:
+    live = _live(param)
+    if param.copy_grad is not None:
+        return "materialized"
+    if not live:
+        return "zero"
+    roles = {(type(u), u.roles()[param]) for u in live}
+    if all(role == "bias" for _, role in roles):
+        return "bias"
+    if roles == {(LinearUse, "weight")}:
+        return "linear"
+    if roles == {(ConvUse, "weight")} and len(live) == 1:
+        return "conv"
+    if roles == {(EmbeddingUse, "weight")}:
+        return "embedding"
+    return "materialized"
+
+
+def per_sample_grad(param: Param, batch: int) -> Tensor:
+    """``[B, *shape]``: the sum over its uses (and its per-sample copy)."""
+    grads = [u.per_sample_grad(u.roles()[param]) for u in _live(param)]
+    if param.copy_grad is not None:
+        grads.append(param.copy_grad)
+    total = grads[0] if grads else zeros_grad(param, batch)
+    for g in grads[1:]:
+        total = total + g
+    return total
+
+
+def _fused_bias(weight: Param, kinds: Dict[Param, str]) -> Optional[Param]:
+    """The bias whose every use is a use of ``weight`` with that bias: its
+    norm and clipped sum come with the weight's."""
+    uses = _live(weight)
+    bias = getattr(uses[0], "bias", None)
+    if bias is None or kinds[bias] != "bias":
+        return None
+    if _live(bias) != uses or any(u.bias is not bias for u in uses):  # type: ignore[attr-defined]
+        return None
+    return bias
+
+
+def _norms(params: List[Param], kinds: Dict[Param, str], fused: Dict[Param, Param],
+           per_sample: Dict[Param, Tensor], batch: int) -> Tensor:
+    squares: List[Tensor] = []
+    # a linear weight's norm includes its fused bias' (linear.weight_norms_sq)
+    in_weight_norm = {b for w, b in fused.items() if kinds[w] == "linear"}
+    for p in params:
+        k = kinds[p]
+        if k == "linear":
+            squares.append(weight_norms_sq(p, fused.get(p)))
+        elif k == "conv":
+            squares.append(_live(p)[0].norms_sq())  # type: ignore[attr-defined]
+        elif k == "embedding":
+            squares.append(embedding.norms_sq(_live(p), batch))  # type: ignore[arg-type]
+        elif k in ("bias", "materialized") and p not in in_weight_norm:
+            per_sample[p] = per_sample_grad(p, batch)
+            squares.append(sq_norms(per_sample[p].flatten(1), 1))
+    if not squares:
+        return torch.zeros(batch, dtype=params[0].leaf.dtype if params else None,
+                           device=params[0].leaf.device if params else None)
+    total = squares[0]
+    for s in squares[1:]:
+        total = total + s
+    return total.sqrt()
+
+
+def _clipped_sum(p: Param, k: str, coef: Tensor, fused: Dict[Param, Param],
+                 per_sample: Dict[Param, Tensor],
+                 owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
+    """The clipped sum of ``p`` (and of its fused bias)."""
+    if k == "linear":
+        return weight_clipped_sum(p, coef, fused.get(p), owned)
+    if k == "conv":
+        return _live(p)[0].clipped_sum(coef, p in fused, owned)  # type: ignore[attr-defined]
+    if k == "embedding":
+        return embedding.clipped_sum(_live(p), coef), None  # type: ignore[arg-type]
+    if k in ("bias", "materialized"):
+        g = per_sample.pop(p)
+        return torch.tensordot(coef.to(g.dtype), g, dims=1), None
+    return torch.zeros_like(p.leaf), None
+
+
+def _storage(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def clip(params: List[Param], batch: int, max_norm: float) -> Tuple[List[Tensor], Tensor]:
+    """The clipped sum of every parameter (in order) and the per-sample norms.
+
+    Recorded tensors are released as soon as every parameter of their use is
+    summed, and the sums are formed smallest first, so that the largest
+    parameter's sum is allocated when the least else is held (peak memory).
+    """
+    if batch == 0:  # an empty (Poisson-sampled) batch
+        dtype = params[0].leaf.dtype if params else torch.get_default_dtype()
+        device = params[0].leaf.device if params else None
+        return [torch.zeros_like(p.leaf) for p in params], torch.zeros(0, dtype=dtype, device=device)
+    kinds = {p: kind(p) for p in params}
+    fused = {p: b for p in params if kinds[p] in ("linear", "conv")
+             for b in [_fused_bias(p, kinds)] if b is not None}
+    per_sample: Dict[Param, Tensor] = {}
+    norms = _norms(params, kinds, fused, per_sample, batch)
+    coef = (max_norm / (norms + EPS)).clamp(max=1.0)
+
+    # An output gradient is read once more, by its weight's clipped sum, which
+    # may then scale it in place: unless autograd handed the same storage to
+    # several recorded outputs (an add's backward passes one tensor to both).
+    live = {id(u): u for p in params for u in _live(p)}
+    storages = Counter(_storage(u.grad) for u in live.values())
+
+    def owned(g: Tensor) -> bool:
+        return storages[_storage(g)] == 1
+
+    sums: Dict[Param, Tensor] = {}
+    fused_biases = set(fused.values())
+    for p in sorted(params, key=lambda q: q.leaf.numel()):
+        if p in sums or p in fused_biases:
+            continue
+        sums[p], grad_b = _clipped_sum(p, kinds[p], coef, fused, per_sample, owned)
+        if p in fused:
+            sums[fused[p]] = grad_b
+        for use in _live(p):
+            if all(q in sums for q in use.roles()):
+                use.release()
+    return [sums[p] for p in params], norms

@@ -1,0 +1,124 @@
+"""The TorchFunctionMode that sees every torch call of the loss under clipped_grad."""
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from .._compat import (add_batch_dim, batched_level, current_transform_level, only_vmaps_above,
+                       unwrap_batched)
+from .tape import Tape
+
+# A rule's answer when it does not handle a call: the call then takes the
+# generic path (Note [Per-sample copies] in tape.py).
+NOT_HANDLED = object()
+
+Rule = Callable[[Tape, Tuple[Any, ...], Dict[str, Any]], Any]
+
+# Tensor properties that are differentiable views (the rest are metadata).
+_VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+# Tensor methods that only read metadata or leave autograd (never substituted).
+_METADATA_METHODS = frozenset({
+    "dim", "ndimension", "size", "numel", "nelement", "stride", "storage_offset",
+    "is_contiguous", "is_floating_point", "is_complex", "is_signed", "element_size",
+    "get_device", "data_ptr", "untyped_storage", "__len__", "__format__", "__repr__",
+    "__hash__", "detach", "is_inference", "has_names", "is_set_to", "is_shared",
+})
+
+
+def _is_metadata(func: Callable) -> bool:
+    name = getattr(func, "__name__", None)
+    if name == "__get__":  # a property: func is the getter of a getset_descriptor
+        return getattr(getattr(func, "__self__", None), "__name__", None) not in _VIEW_PROPERTIES
+    return name in _METADATA_METHODS
+
+
+def bind(names: Sequence[str], defaults: Sequence[Any], args: Tuple[Any, ...],
+         kwargs: Dict[str, Any]) -> Optional[Tuple[Any, ...]]:
+    """The arguments of a call by position, ``defaults`` filling the trailing
+    ones; None when the call does not fit ``names`` (the op then reports it)."""
+    required = len(names) - len(defaults)
+    if len(args) > len(names) or any(k not in names for k in kwargs):
+        return None
+    values = list(args)
+    for i in range(len(args), len(names)):
+        if names[i] in kwargs:
+            values.append(kwargs[names[i]])
+        elif i >= required:
+            values.append(defaults[i - required])
+        else:
+            return None
+    if any(names[i] in kwargs for i in range(len(args))):
+        return None
+    return tuple(values)
+
+
+def physical(tape: Tape, x: Any) -> Optional[Tensor]:
+    """``x`` as a physical batch-first tensor ``[B, *per-sample shape]``: its
+    storage if it is batched at clipped_grad's level, an expansion (no copy)
+    if it is a plain tensor shared by all samples; None otherwise."""
+    if not isinstance(x, Tensor) or tape.param(x) is not None:
+        return None
+    level = batched_level(x)
+    if level == tape.level:
+        value, bdim = unwrap_batched(x, level)
+        return value.movedim(bdim, 0)
+    if level == -1:
+        return x.expand(tape.batch_size, *x.shape)
+    return None
+
+
+def batched(tape: Tape, value: Tensor) -> Tensor:
+    """A batch-first physical result, handed back to the loss as per-sample."""
+    return add_batch_dim(value, 0, tape.level)
+
+
+class Interceptor(TorchFunctionMode):
+    """Routes each torch call of the loss: calls with a rule (``rules``) made
+    directly at clipped_grad's vmap level are handled by their rule, which
+    records a use on the tape; every other call that takes a parameter gets
+    per-sample copies instead (Note [Per-sample copies]); the rest runs as is.
+    """
+
+    def __init__(self, tape: Tape, rules: Dict[Callable, Rule]) -> None:
+        super().__init__()
+        self.tape = tape
+        self.rules = rules
+
+    def __torch_function__(self, func: Callable, types: Any, args: Tuple[Any, ...] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        if not torch.is_grad_enabled() or _is_metadata(func):
+            return func(*args, **kwargs)
+        rule = self.rules.get(func)
+        at_our_level = current_transform_level() == self.tape.level
+        if rule is not None and at_our_level:
+            out = rule(self.tape, args, kwargs)
+            if out is not NOT_HANDLED:
+                return out
+        if (self._holds_param(args) or self._holds_param(tuple(kwargs.values()))) and (
+                at_our_level or only_vmaps_above(self.tape.level)):
+            # Inside a nested grad/jvp the copy could not be made (functorch
+            # cannot wrap a tensor for an outer level there): the parameter
+            # is left as is, and the backward reports its use as escaped.
+            args = self._substitute(args)
+            kwargs = {k: self._substitute(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    def _holds_param(self, items: Sequence[Any]) -> bool:
+        for item in items:
+            if isinstance(item, Tensor):
+                if self.tape.param(item) is not None:
+                    return True
+            elif isinstance(item, (list, tuple)) and self._holds_param(item):
+                return True
+        return False
+
+    def _substitute(self, item: Any) -> Any:
+        if isinstance(item, Tensor):
+            param = self.tape.param(item)
+            return item if param is None else self.tape.per_sample_copy(param)
+        if isinstance(item, (list, tuple)):
+            values = [self._substitute(i) for i in item]
+            return type(item)(values) if type(item) in (list, tuple) else type(item)(*values)
+        return item

@@ -1,0 +1,143 @@
+"""What clipped_grad records during the forward: the parameters and their uses."""
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from .._compat import add_batch_dim, allow_requires_grad, is_view, version_counter
+
+
+class Use:
+    """One intercepted call that used parameters through a detached copy.
+
+    ``edge`` is the autograd edge of the call's physical output (a tensor that
+    is not a view; see Note [Tapping an output that may later change in
+    place]); after the backward, ``grad`` holds ``d sum_i loss_i / d out``,
+    reshaped by ``set_grad``, or None when the output did not reach the loss.
+    """
+
+    edge: GradientEdge
+    grad: Optional[Tensor]
+
+    def roles(self) -> Dict["Param", str]:
+        """The parameters of this use, each with its role ("weight" / "bias")."""
+        raise NotImplementedError
+
+    def set_grad(self, grad: Optional[Tensor]) -> None:
+        raise NotImplementedError
+
+    def per_sample_grad(self, role: str) -> Tensor:
+        """``[B, *param.shape]``: the per-sample gradient of one role's param
+        through this use (the materialized path)."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drops the recorded tensors once every parameter of the use is summed."""
+        raise NotImplementedError
+
+
+# Note [Tapping an output that may later change in place]
+# The backward targets each intercepted output by its autograd edge (the node
+# that produced it and the output number), taken right after the call. A later
+# in-place op on the output (nn.ReLU(inplace=True) after a Linear) or on a
+# view of it rebases the tensor's history onto a new node, but the original
+# node stays on the path to the loss, so its edge still receives the gradient
+# with respect to the value the call produced. That holds only if the tapped
+# tensor is not itself a view (an in-place op on a view replaces the view's
+# node by CopySlices on its base), so the rules run their op on 2-D/folded
+# physical operands, whose outputs are fresh tensors, and hand the caller
+# views of them. An output needs a node at all: when no operand requires grad
+# (a first layer, whose input is data), the rule passes a detached copy of the
+# weight that requires grad. Its node is never executed: its only edge leads
+# to that copy, which the backward does not ask for.
+def tap(out: Tensor) -> GradientEdge:
+    """The edge a rule's physical output is read back through."""
+    if is_view(out) or out.grad_fn is None:
+        raise AssertionError("clipped_grad: a tapped output must be a fresh tensor with a node")
+    return get_gradient_edge(out)
+
+
+def weight_for(weight: Tensor, other_operands_need_grad: bool) -> Tensor:
+    """The detached weight a rule calls its op with (see the Note above)."""
+    detached = weight.detach()
+    if other_operands_need_grad:
+        return detached
+    with allow_requires_grad():
+        return detached.requires_grad_()
+
+
+@dataclass(eq=False)
+class Param:
+    """A differentiated tensor: its name (key path) for messages, the leaf the
+    loss sees, its intercepted uses and, when some use could not be ghosted,
+    its per-sample copy (see Note [Per-sample copies])."""
+
+    index: int
+    namer: Callable[[], str]
+    leaf: Tensor
+    uses: List[Use] = field(default_factory=list)
+    copy: Optional[Tensor] = None  # physical [B, *shape] leaf
+    copy_grad: Optional[Tensor] = None
+
+    @property
+    def name(self) -> str:
+        return self.namer()
+
+
+# Note [Per-sample copies]
+# A call that uses a parameter and that no rule handles (F.layer_norm's
+# weight, p * x, W.T @ x, a call inside a nested transform) gets, in place of
+# the parameter, a detached copy expanded to [B, *shape] (no memory), a leaf
+# that requires grad, batched at clipped_grad's vmap level. The vmapped call
+# then sees what vmap(grad) would: a per-sample parameter. Autograd
+# accumulates into that one leaf the gradient of every such use: exactly the
+# per-sample gradient through those uses, [B, *shape], materialized for these
+# parameters only.
+class Tape:
+    """Parameters by identity, the batch size and vmap level, recorded uses."""
+
+    def __init__(self, params: List[Param], batch_size: int, level: int) -> None:
+        self.params = params
+        self.by_id: Dict[int, Param] = {id(p.leaf): p for p in params}
+        self.batch_size = batch_size
+        self.level = level
+        self.uses: List[Use] = []
+        self.versions: List[Tuple[Tensor, int, Use, str]] = []
+
+    def param(self, obj: object) -> Optional[Param]:
+        return self.by_id.get(id(obj)) if isinstance(obj, Tensor) else None
+
+    def record(self, use: Use, inputs: Tuple[Tensor, ...], op: str) -> None:
+        """Adds a use of ``op`` ("linear", ...); ``inputs`` must keep their
+        values until the backward."""
+        self.uses.append(use)
+        for param in use.roles():
+            param.uses.append(use)
+        for t in inputs:
+            self.versions.append((t, version_counter(t), use, op))
+
+    def per_sample_copy(self, param: Param) -> Tensor:
+        """The batched per-sample copy of ``param`` (Note [Per-sample copies])."""
+        if param.copy is None:
+            leaf = param.leaf.detach()
+            with allow_requires_grad():
+                param.copy = leaf.expand(self.batch_size, *leaf.shape).requires_grad_()
+        return add_batch_dim(param.copy, 0, self.level)
+
+    def check_inputs_unchanged(self) -> None:
+        """Raises if a recorded input changed in place; then forgets them."""
+        for t, version, use, op in self.versions:
+            if version_counter(t) != version:
+                weight = next(p for p, role in use.roles().items() if role == "weight")
+                raise RuntimeError(
+                    f"clipped_grad: the input of the {op} of {weight.name} was modified in place "
+                    "after the call; the per-sample gradient norms need its value at the call. "
+                    "Use an out-of-place op there (e.g. x = x.relu() instead of x.relu_()).")
+        self.versions.clear()
+
+
+def zeros_grad(param: Param, batch_size: int) -> Tensor:
+    return torch.zeros((batch_size, *param.leaf.shape), dtype=param.leaf.dtype,
+                       device=param.leaf.device)

@@ -1,0 +1,277 @@
+"""``batchrules.clipped_grad``: DP-SGD's clipped gradient sum without per-sample gradients.
+
+Note [Forward under vmap, backward outside it]
+The loss runs once under ``vmap(loss, in_dims)`` with the differentiated
+arguments unbatched: vmap passes them through unwrapped, so inside the
+vmapped function they are the very tensors clipped_grad passed in, and a
+TorchFunctionMode entered there (interceptor.py) recognizes every call that
+uses one. Rules run linears, convolutions, embeddings and self-attention on
+the physical (batch-first) tensors with detached weights and record each
+call's input and an autograd edge of its output (tape.py); other calls get
+per-sample copies of the parameters they take. The backward is ONE
+``torch.autograd.grad`` of ``sum_i loss_i`` outside vmap, asked for the
+recorded outputs' gradients and the per-sample copies' gradients: samples are
+independent under vmap, so the gradient reaching sample i's rows of an
+output is exactly ``d loss_i / d out_i``, and no weight gradient (summed or
+per-sample) is ever formed by autograd. The parameters themselves are leaves
+that require grad and are asked for too: every intercepted use went through
+a detached copy, so a gradient reaching one means a use escaped interception
+(e.g. inside a nested torch.func transform), reported instead of a wrong norm.
+Norms and clipped sums then come from (input, output gradient) pairs
+(clipping.py). That is book-keeping (Bu et al., ICML 2023): one forward and
+one backward; Opacus' ghost clipping needs a second backward.
+"""
+import functools
+import math
+import numbers
+from typing import Any, Callable, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.func import vmap
+from torch.utils._pytree import (keystr, tree_flatten, tree_flatten_with_path, tree_map,
+                                 tree_unflatten)
+
+from .._compat import batched_level, current_transform_level, unwrap_batched
+from .clipping import clip
+from .interceptor import Interceptor
+from .rules import RULES
+from .tape import Param, Tape
+
+ArgNums = Union[int, Tuple[int, ...]]
+
+
+def clipped_grad(loss: Callable[..., Any], max_norm: float, *, in_dims: Any = None,
+                 argnums: ArgNums = 0, has_aux: bool = False,
+                 randomness: str = "error") -> Callable[..., Any]:
+    """DP-SGD's per-sample clipping, summed, without per-sample gradients.
+
+    ``clipped_grad(loss, max_norm)(*args)`` returns ``(clipped_sum, norms)``
+    equal to, with ``per = vmap(grad(loss, argnums), in_dims)(*args)``::
+
+        norms[i]    = L2 norm of sample i's gradient over all differentiated tensors
+        clipped_sum = sum_i min(1, max_norm / (norms[i] + 1e-6)) * per[i]
+
+    (eps = ``batchrules.dp.EPS`` = 1e-6, as in Opacus), but computed from each
+    layer's input and output gradient with one forward and one backward: the
+    per-sample gradients of linear, convolution (1d/2d), embedding and
+    self-attention weights are never formed whole; biases, LayerNorm's affine
+    parameters and tensors used outside those ops get per-sample gradients of
+    their own size.
+
+    Args:
+        loss: ``loss(*args) -> scalar tensor`` for ONE sample (or
+            ``(scalar, aux)`` with ``has_aux``), as for ``vmap(grad(loss))``.
+        max_norm: the clipping bound C, a finite number > 0.
+        in_dims: as for ``vmap``: how each argument is batched. The
+            differentiated arguments must be unbatched (``None``). Omitted:
+            ``None`` for the differentiated arguments and ``0`` for all others
+            (``(None, 0, 0)`` for ``(params, x, y)``).
+        argnums: which argument(s) to differentiate, as for ``grad``. Each is
+            any pytree of floating-point tensors (e.g. ``{k: v.detach() for
+            k, v in model.named_parameters()}`` for ``functional_call``);
+            a frozen ``nn.Parameter`` (``requires_grad=False``) is refused:
+            leave it out of the differentiated argument.
+        has_aux: the loss returns ``(loss, aux)``; the result is then
+            ``((clipped_sum, norms), aux)`` with aux batched as vmap returns it.
+        randomness: as for ``vmap`` (``"different"`` for dropout).
+
+    Returns:
+        A function returning ``(clipped_sum, norms)``: ``clipped_sum`` has the
+        structure of the differentiated argument (a tuple of them for a tuple
+        ``argnums``), ``norms`` is ``[B]``.
+
+    Raises at the call (ValueError / TypeError / RuntimeError, naming the
+    problem): a loss that is not a scalar per sample, batch sizes that
+    disagree, a batched differentiated argument, a leaf that is not a
+    floating-point tensor, and a parameter reaching the loss through a call
+    the interception cannot see. ``max_norm`` is checked here.
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) \
+            or not math.isfinite(max_norm) or max_norm <= 0:
+        raise ValueError(f"clipped_grad: max_norm must be a finite number > 0, got {max_norm!r}")
+    if isinstance(argnums, bool) or not isinstance(argnums, (int, tuple)) or (
+            isinstance(argnums, tuple) and (not argnums or not all(
+                isinstance(a, int) and not isinstance(a, bool) for a in argnums))):
+        raise TypeError(f"clipped_grad: argnums must be an int or a non-empty tuple of ints, "
+                        f"got {argnums!r}")
+    if isinstance(argnums, tuple) and len(set(argnums)) != len(argnums):
+        raise ValueError(f"clipped_grad: argnums must not repeat, got {argnums}")
+
+    @functools.wraps(loss)
+    def clipped(*args: Any) -> Any:
+        return _run(loss, float(max_norm), in_dims, argnums, has_aux, randomness, args)
+
+    return clipped
+
+
+def _positions(argnums: ArgNums, n_args: int) -> Tuple[int, ...]:
+    positions = []
+    for a in argnums if isinstance(argnums, tuple) else (argnums,):
+        if not -n_args <= a < n_args:
+            raise ValueError(f"clipped_grad: argnums {argnums} out of range for {n_args} "
+                             "positional arguments")
+        positions.append(a % n_args)
+    if len(set(positions)) != len(positions):
+        raise ValueError(f"clipped_grad: argnums {argnums} name an argument twice")
+    return tuple(positions)
+
+
+def _in_dims(in_dims: Any, positions: Tuple[int, ...], n_args: int) -> Tuple[Any, ...]:
+    if in_dims is None:
+        return tuple(None if i in positions else 0 for i in range(n_args))
+    dims = (in_dims,) * n_args if isinstance(in_dims, int) else in_dims
+    if not isinstance(dims, tuple) or len(dims) != n_args:
+        raise ValueError(f"clipped_grad: in_dims must be an int or a tuple with one entry per "
+                         f"positional argument ({n_args}), got {in_dims!r}")
+    for i in positions:
+        if any(d is not None for d in tree_flatten(dims[i])[0]):
+            raise ValueError(
+                f"clipped_grad: argument {i} is differentiated (argnums) and must be unbatched, "
+                f"but in_dims gives it {dims[i]!r}: its per-sample gradients are what clipped_grad "
+                f"avoids forming. Use None there (e.g. in_dims=(None, 0, 0)), or omit in_dims")
+    return dims
+
+
+def _params(args: Tuple[Any, ...], positions: Tuple[int, ...]) -> Tuple[List[Param], List[Any]]:
+    """The differentiated tensors as Params, and each position's pytree spec."""
+    params: List[Param] = []
+    specs = []
+    for pos in positions:
+        leaves, spec = tree_flatten(args[pos])
+        namer = _Namer(args[pos], pos)
+        for k, leaf in enumerate(leaves):
+            if not isinstance(leaf, Tensor):
+                raise TypeError(f"clipped_grad: {namer(k)} is a {type(leaf).__name__}; "
+                                "differentiated arguments must hold only floating-point tensors")
+            if not leaf.is_floating_point():
+                raise TypeError(f"clipped_grad: {namer(k)} has dtype {leaf.dtype}; only "
+                                "floating-point tensors can be differentiated")
+            if isinstance(leaf, nn.Parameter) and not leaf.requires_grad:
+                raise ValueError(f"clipped_grad: {namer(k)} is an nn.Parameter with "
+                                 "requires_grad=False (frozen); leave it out of the differentiated "
+                                 "argument (pass it in another, unbatched argument) or unfreeze it")
+            leaf = leaf.detach().requires_grad_()  # see Note [Forward under vmap, backward outside it]
+            params.append(Param(len(params), functools.partial(namer, k), leaf))
+        specs.append(spec)
+    return params, specs
+
+
+class _Namer:
+    """Names a differentiated leaf by its key path (``argument 0['0.weight']``),
+    computed only when a message needs it."""
+
+    def __init__(self, tree: Any, position: int) -> None:
+        self.tree, self.position = tree, position
+
+    def __call__(self, k: int) -> str:
+        path = tree_flatten_with_path(self.tree)[0][k][0]
+        return f"argument {self.position}{keystr(path)}"
+
+
+def _batch_size(args: Tuple[Any, ...], level: int) -> int:
+    for arg in args:  # plain tensor arguments first: no pytree walk
+        if isinstance(arg, Tensor) and batched_level(arg) == level:
+            value, bdim = unwrap_batched(arg, level)
+            return value.shape[bdim]
+    for leaf in tree_flatten(args)[0]:
+        if isinstance(leaf, Tensor) and batched_level(leaf) == level:
+            value, bdim = unwrap_batched(leaf, level)
+            return value.shape[bdim]
+    raise AssertionError("vmap passed no batched argument")
+
+
+def _check_loss(value: Any) -> None:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"clipped_grad: the loss must return a tensor, got {type(value).__name__}")
+    if value.dim() != 0 or not value.is_floating_point():
+        raise ValueError(f"clipped_grad: the loss must return a floating-point scalar per sample; "
+                         f"got shape {tuple(value.shape)} and dtype {value.dtype} for one sample")
+
+
+def _clipped_grad(loss: Callable[..., Any], max_norm: float, in_dims: Any, argnums: ArgNums,
+                  has_aux: bool, randomness: str, args: Tuple[Any, ...]) -> Any:
+    if current_transform_level() is not None:
+        raise RuntimeError("clipped_grad cannot run inside a torch.func transform (vmap, grad, "
+                           "...): it runs its own vmap and a plain autograd backward")
+    positions = _positions(argnums, len(args))
+    dims = _in_dims(in_dims, positions, len(args))
+    params, specs = _params(args, positions)
+    leaves = iter(p.leaf for p in params)
+    differentiated = {pos: tree_unflatten([next(leaves) for _ in range(spec.num_leaves)], spec)
+                      for pos, spec in zip(positions, specs)}
+    # Only the other arguments go through vmap (the differentiated ones are
+    # unbatched: vmap would pass them through unchanged, after flattening them).
+    others = [i for i in range(len(args)) if i not in differentiated]
+    tapes: List[Tape] = []
+
+    def per_sample(*batched_args: Any) -> Any:
+        level = current_transform_level()
+        tape = Tape(params, _batch_size(batched_args, level), level)
+        tapes.append(tape)
+        one = list(batched_args)
+        for pos in sorted(differentiated):
+            one.insert(pos, differentiated[pos])
+        with Interceptor(tape, RULES):
+            out = loss(*one)
+        if has_aux:
+            if not isinstance(out, tuple) or len(out) != 2:
+                raise ValueError("clipped_grad(has_aux=True): the loss must return a (loss, aux) "
+                                 f"pair, got {type(out).__name__}")
+            _check_loss(out[0])
+            return out
+        _check_loss(out)
+        return out
+
+    with torch.enable_grad():
+        out = vmap(per_sample, in_dims=tuple(dims[i] for i in others),
+                   randomness=randomness)(*(args[i] for i in others))
+        losses, aux = out if has_aux else (out, None)
+        tape = tapes[-1]
+        _backward(losses, tape, params)
+    with torch.no_grad():
+        sums, norms = clip(params, tape.batch_size, max_norm)
+    it = iter(sums)
+    results = tuple(tree_unflatten([next(it) for _ in range(spec.num_leaves)], spec)
+                    for spec in specs)
+    result = (results if isinstance(argnums, tuple) else results[0], norms)
+    return (result, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, aux)) \
+        if has_aux else result
+
+
+def _backward(losses: Tensor, tape: Tape, params: List[Param]) -> None:
+    """The one backward (Note [Forward under vmap, backward outside it]):
+    output gradients onto the recorded uses, per-sample copies' gradients
+    onto their params."""
+    copies = [p for p in params if p.copy is not None]
+    inputs = [u.edge for u in tape.uses] + [p.copy for p in copies] + [p.leaf for p in params]
+    grads: Tuple[Optional[Tensor], ...] = (None,) * len(inputs)
+    if losses.requires_grad and inputs:
+        grads = torch.autograd.grad(losses.sum(), inputs, allow_unused=True)
+    leaf_grads = grads[len(tape.uses) + len(copies):]
+    escaped = [p.name for p, g in zip(params, leaf_grads) if g is not None]
+    if escaped:
+        raise RuntimeError(
+            f"clipped_grad: {', '.join(escaped)} reached the loss through a call the interception "
+            "did not see (a nested torch.func transform, a torch.autograd.Function, a tensor "
+            "subclass, or a hook), so its per-sample norm would be wrong. Use it directly in "
+            "the loss (as functional_call does), outside nested transforms")
+    tape.check_inputs_unchanged()
+    for use, g in zip(tape.uses, grads):
+        use.set_grad(g)
+    for p, g in zip(copies, grads[len(tape.uses):]):
+        p.copy_grad = g
+
+
+# How ``clipped`` runs: eagerly, and under torch.compile too (see
+# register_compile_fallback).
+_run = _clipped_grad
+
+
+def register_compile_fallback(dynamo: Any) -> None:
+    """torch.compile does not trace clipped_grad (its TorchFunctionMode, its
+    own vmap levels and autograd.grad): a compiled function calling it breaks
+    the graph there and runs it eagerly. Registered once ``torch._dynamo`` is
+    imported (Note [Registering with optional torch subsystems lazily])."""
+    global _run
+    _run = dynamo.disable(_clipped_grad)
