@@ -62,6 +62,7 @@ void set_routing_enabled(bool enabled) {
   auto fresh = std::make_unique<Routes>();
   RouteLibraries libs{fresh->front_mode, fresh->batched};
   add_linear_routes(libs);
+  add_activation_routes(libs);
   routes = std::move(fresh);
 }
 

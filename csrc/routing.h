@@ -18,5 +18,6 @@ struct RouteLibraries {
 
 // One per op family, each in <family>/routes.cpp.
 void add_linear_routes(RouteLibraries& libs);
+void add_activation_routes(RouteLibraries& libs);
 
 }  // namespace batchrules

@@ -9,6 +9,7 @@ from typing import List, Optional
 import torch
 
 from . import scenarios_eager, scenarios_ensemble, scenarios_hyper, scenarios_psg
+from . import scenarios_activations
 from .case import Case
 from .kernels import eager_linear_kernels
 from .machine import machine_info
@@ -35,6 +36,7 @@ def all_cases(mode: str) -> List[Case]:
         + scenarios_psg.cases(mode)
         + scenarios_hyper.cases(mode)
         + scenarios_eager.cases(mode)
+        + scenarios_activations.cases(mode)
     )
 
 
