@@ -147,6 +147,16 @@ def test_transform_of_vmap_matches_loop(act: Act) -> None:
 
 
 @pytest.mark.parametrize("act", ACTS, ids=repr)
+def test_plain_autograd_through_vmap(act: Act) -> None:
+    """torch.autograd outside vmap: the batched kernels' calls record our nodes."""
+    x, g = torch.randn(BATCH, 3, dtype=DTYPE), torch.randn(BATCH, 3, dtype=DTYPE)
+    ours, stock = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (got,) = torch.autograd.grad(vmap(act.op, in_dims=1, out_dims=1)(ours.T), ours, g.T)
+    (want,) = torch.autograd.grad(act.stock(stock), stock, g)
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("act", ACTS, ids=repr)
 def test_vmap_of_jvp(act: Act) -> None:
     x, v = torch.randn(BATCH, 3, dtype=DTYPE), torch.randn(BATCH, 3, dtype=DTYPE)
     got = vmap(lambda a, b: jvp(act.op, (a,), (b,)))(x, v)
