@@ -105,5 +105,5 @@ def test_main_trains(capsys: pytest.CaptureFixture) -> None:
         main(steps=2)
         assert not batchrules.is_enabled()
     out = capsys.readouterr().out
-    assert "step   0: NLL per member" in out and "step   2: NLL per member" in out
+    assert "step   0: loss per member" in out and "step   2: loss per member" in out
     assert "prediction: (7, 5, 18) mean, (7, 5, 18) log-variance" in out

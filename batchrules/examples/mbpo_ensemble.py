@@ -121,7 +121,7 @@ def main(steps: int = 100) -> None:
         for step in range(steps + 1):
             losses = ensemble.train_step(*bootstrap(x, y, members, batch, gen))
             if step % 25 == 0 or step == steps:
-                print(f"step {step:3d}: NLL per member {[round(v, 3) for v in losses.tolist()]}")
+                print(f"step {step:3d}: loss per member {[round(v, 3) for v in losses.tolist()]}")
         mean, logvar = ensemble.predict(x[:5])
     print("prediction:", tuple(mean.shape), "mean,", tuple(logvar.shape), "log-variance")
 
