@@ -28,9 +28,8 @@ with batchrules.enabled(False):
 
 
 def callers(act: Act) -> Dict[str, Callable[[Tensor], Tensor]]:
-    """The user-facing ways of calling the aten op."""
-    module = act.module()
-    return {"functional": act.stock, "module": module}
+    """The user-facing ways of calling the aten op (F.silu, nn.SiLU(), ...)."""
+    return {"functional": act.stock, "module": act.module()}
 
 
 def mlp(act: Act) -> nn.Module:
