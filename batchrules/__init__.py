@@ -1,12 +1,14 @@
 """batchrules: ``linear`` as a first-class citizen of ``torch.func``.
 
 Importing the package loads the C++ extension, which registers the operators
-``torch.ops.batchrules.linear`` and ``torch.ops.batchrules.linear_backward``
-with explicit autograd formulas and vmap batching rules.
+``torch.ops.batchrules.linear`` / ``linear_backward``, ``silu`` /
+``silu_backward`` and ``mish`` / ``mish_backward`` with explicit autograd
+formulas and vmap batching rules.
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers the operators)
+from .activations import mish, mish_backward, silu, silu_backward
 from ._post_import import when_imported as _when_imported
 from .decompositions import register_decompositions as _register_decompositions
 from .dp import clipped_grad  # noqa: F401  (batchrules.clipped_grad)
@@ -25,6 +27,7 @@ _register_decompositions()
 _when_imported("torch.distributed.tensor", _register_sharding_strategies)
 _when_imported("torch._dynamo", _register_compile_polyfill)
 
-__all__ = ["linear", "linear_backward", "enable", "disable", "enabled", "is_enabled"]
+__all__ = ["linear", "linear_backward", "silu", "silu_backward", "mish", "mish_backward",
+           "enable", "disable", "enabled", "is_enabled"]
 
 __version__ = "0.1.0"

@@ -9,8 +9,9 @@ What remains is the choice of what the backend receives:
   in the graph (what happens with no registration at all);
 * decomposition: below autograd the ops become the aten ops their kernels
   call (``aten.linear`` -> ``addmm``/``mm``; the backward -> two ``mm`` +
-  ``sum``), so Inductor sees plain GEMMs it can fuse around and pick
-  templates for.
+  ``sum``; ``silu``/``mish`` and their backward -> ``aten.silu``,
+  ``aten.silu_backward``, ...), so Inductor sees plain GEMMs it can fuse
+  around and pick templates for, and pointwise ops it fuses.
 
 We decompose. ``python -m batchrules.compile_bench`` times a training step
 (fwd + bwd) of a 3-layer ReLU MLP, batch x width, each variant really compiled
@@ -60,7 +61,8 @@ from torch._C import DispatchKey
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-OPS = ("batchrules::linear", "batchrules::linear_backward")
+OPS = ("batchrules::linear", "batchrules::linear_backward", "batchrules::silu",
+       "batchrules::silu_backward", "batchrules::mish", "batchrules::mish_backward")
 
 
 def _plain(types: Tuple[type, ...]) -> bool:

@@ -24,6 +24,15 @@ using LinearBackwardSig =
 const c10::TypedOperatorHandle<LinearSig>& linear_op();
 const c10::TypedOperatorHandle<LinearBackwardSig>& linear_backward_op();
 
+// Pointwise activations f(self) and their backward grad_output * f'(self).
+using ActivationSig = Tensor(const Tensor&);
+using ActivationBackwardSig = Tensor(const Tensor&, const Tensor&);
+
+const c10::TypedOperatorHandle<ActivationSig>& silu_op();
+const c10::TypedOperatorHandle<ActivationBackwardSig>& silu_backward_op();
+const c10::TypedOperatorHandle<ActivationSig>& mish_op();
+const c10::TypedOperatorHandle<ActivationBackwardSig>& mish_backward_op();
+
 inline Tensor dispatch_linear(const Tensor& input, const Tensor& weight,
                      const std::optional<Tensor>& bias = std::nullopt) {
   return linear_op().call(input, weight, bias);

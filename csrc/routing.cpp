@@ -64,6 +64,7 @@ void set_routing_enabled(bool enabled) {
   add_linear_routes(libs);
   add_attention_routes(libs);
   add_loss_routes(libs);
+  add_activation_routes(libs);
   routes = std::move(fresh);
 }
 

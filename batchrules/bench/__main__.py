@@ -9,8 +9,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from . import (scenarios_dp, scenarios_eager, scenarios_ensemble, scenarios_hyper,
-               scenarios_losses, scenarios_psg, scenarios_transformer)
+from . import (scenarios_activations, scenarios_dp, scenarios_eager, scenarios_ensemble,
+               scenarios_hyper, scenarios_losses, scenarios_psg, scenarios_transformer)
 from .case import TIERS, Case
 from .compiled import compile_failure, private_inductor_cache, warm_up_compiler
 from .kernels import eager_linear_kernels
@@ -45,6 +45,7 @@ def all_cases(mode: str) -> List[Case]:
         + scenarios_transformer.cases(mode)
         + scenarios_losses.cases(mode)
         + scenarios_dp.cases(mode)
+        + scenarios_activations.cases(mode)
     )
 
 

@@ -13,9 +13,11 @@ process, to show which part of the gap to the hand-written limit is
   (no functional_call);
 - ``user code``: the bench's row; ``limit``: the hand-written code.
 
-For SiLU networks it also reports, from the profiler, what autograd's
-twice-differentiable SiLU backward (used because functorch's grad runs with
-create_graph=True) costs per step against one ``silu_backward`` kernel.
+For SiLU training steps it also reports, from the profiler, what the SiLU
+backward nodes cost per step: stock (autograd's twice-differentiable
+composite, picked because functorch's grad runs with create_graph=True),
+routed (``batchrules.silu_backward``, one kernel) and the limit's
+``silu_backward`` kernels.
 """
 import argparse
 import copy
@@ -116,10 +118,14 @@ def run(steps=STEPS, plan: TimingPlan = PLAN) -> List[str]:
             lines.append(f"  {v.name:26s} {fmt_time(median):>10s}  {median / limit:5.2f}x limit")
         if spec.act == "silu" and train:
             user, lim = variants[-2], variants[-1]
-            silu_grad = _self_time_under(user, "SiluBackward0")
+            stock = Variant(user.name, user.fn, routing=False)
+            stock_grad = _self_time_under(stock, "SiluBackward0")
+            routed_grad = _self_time_under(user, "BatchrulesSiluBackward0")
             kernel = _self_time_under(lim, "aten::silu_backward")
-            lines.append(f"  SiLU backward per step (profiler): {fmt_time(silu_grad)} under "
-                         f"grad (create_graph) vs {fmt_time(kernel)} as silu_backward kernels")
+            lines.append(f"  SiLU backward per step (profiler): {fmt_time(stock_grad)} stock under "
+                         f"grad (create_graph composite), {fmt_time(routed_grad)} routed "
+                         f"(batchrules.silu_backward), {fmt_time(kernel)} as silu_backward "
+                         f"kernels in the limit")
     return lines
 
 

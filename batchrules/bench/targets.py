@@ -19,8 +19,8 @@ from typing import Dict, List, Optional
 from .compiled import twin_name
 from .runner import CaseResult
 
-EAGER_SCENARIO = "eager_linear"
-PSG_SCENARIOS = ("psg_mlp", "psg_cnn")
+EAGER_SCENARIO = "eager_"  # eager_linear, eager_silu, eager_mish (and their _fwd rows)
+PSG_SCENARIOS = ("psg_mlp", "psg_cnn", "psg_transformer")
 STOCK_COMPILED, BATCHRULES_COMPILED = twin_name("stock"), twin_name("batchrules")
 COMPILED_TARGET = (f"compiled: not slower than stock compiled "
                    f"({STOCK_COMPILED} / {BATCHRULES_COMPILED} >= 1)")
@@ -74,9 +74,13 @@ def evaluate(results: List[CaseResult], linear_floor: int) -> List[TargetCheck]:
             checks.extend(dp_checks(r))
             continue
         if scenario.startswith(EAGER_SCENARIO):
-            checks.append(_speed_check("eager: F.linear / batchrules.linear >= 0.98", r,
-                                       "stock", "batchrules", 0.98))
-            checks.append(_speed_check("eager: F.linear / F.linear with routing on >= 0.98", r,
+            # Routing acts under transforms only; batchrules.linear's C entry must
+            # also cost nothing (the activations' direct entries are boxed torch.ops
+            # calls: shown in the table, not a target).
+            if scenario.startswith("eager_linear"):
+                checks.append(_speed_check("eager: F.linear / batchrules.linear >= 0.98", r,
+                                           "stock", "batchrules", 0.98))
+            checks.append(_speed_check("eager: stock op / the same op with routing on >= 0.98", r,
                                        "stock", "stock_routed", 0.98))
             continue
         checks.append(_speed_check("not slower than stock (stock / batchrules >= 1)", r,
