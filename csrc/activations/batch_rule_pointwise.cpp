@@ -9,16 +9,8 @@
 // aten::silu would record its create_graph backward again). On plain tensors
 // they reach the same ATen kernel one dispatcher hop later.
 //
-// Note [Aligning the operands of a pointwise backward]
-// <act>_backward(g, x) broadcasts g against x. Shapes physical, B the vmap
-// size: a batched operand gets its batch dim in front and is padded with
-// size-1 dims after it up to the larger logical rank, so the batch dims line
-// up and the per-example dims broadcast as in eager:
-//   g: B,N   x: B,M,N  ->  g: B,1,N   x: B,M,N  ->  B,M,N
-// A shared operand broadcasts as it is (right-aligned against the batched
-// one's logical dims):
-//   g: B,M,N   x: N  ->  B,M,N        g: B,N   x: M,N  ->  g: B,1,N  ->  B,M,N
-// movedim and the padding are views, so nothing is copied; the kernel reads
+// The two operands of <act>_backward broadcast as in eager; see Note [Aligning
+// the operands of a pointwise op] (common/batching_utils.h). The kernel reads
 // any strides and writes its result in its inputs' memory layout.
 #include "activations/batch_rules.h"
 #include "activations/shape_checks.h"
@@ -26,22 +18,6 @@
 #include <ATen/ATen.h>
 
 namespace batchrules {
-
-namespace {
-
-// See Note [Aligning the operands of a pointwise backward].
-Tensor batch_first_with_rank(const Tensor& t, std::optional<int64_t> bdim, int64_t rank) {
-  if (!bdim.has_value()) {
-    return t;
-  }
-  Tensor out = move_bdim_to_front(t, bdim);
-  while (out.dim() < rank + 1) {
-    out = out.unsqueeze(1);
-  }
-  return out;
-}
-
-}  // namespace
 
 BatchedResult activation_batch_rule(const Activation& act, const Tensor& self,
                                     std::optional<int64_t> self_bdim) {
@@ -58,8 +34,8 @@ BatchedResult activation_backward_batch_rule(const Activation& act, const Tensor
                                    logical_sizes(self, self_bdim));
   const int64_t rank =
       std::max(logical_rank(grad_output, grad_output_bdim), logical_rank(self, self_bdim));
-  const Tensor g = batch_first_with_rank(grad_output, grad_output_bdim, rank);
-  const Tensor x = batch_first_with_rank(self, self_bdim, rank);
+  const Tensor g = align_batch_first(grad_output, grad_output_bdim, rank);
+  const Tensor x = align_batch_first(self, self_bdim, rank);
   return {act.backward_op().call(g, x), 0};
 }
 

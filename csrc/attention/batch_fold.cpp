@@ -68,16 +68,6 @@ Tensor flatten_front(const Tensor& t) {
 
 }  // namespace
 
-c10::SymInt vmap_size(
-    std::initializer_list<std::pair<const Tensor*, std::optional<int64_t>>> operands) {
-  for (const auto& [t, bdim] : operands) {
-    if (bdim.has_value()) {
-      return t->sym_size(*bdim);
-    }
-  }
-  TORCH_INTERNAL_ASSERT(false, "an attention batching rule ran with no batched operand");
-}
-
 Tensor fold_batch(const Tensor& t, std::optional<int64_t> bdim, const c10::SymInt& n) {
   if (!t.defined()) {
     return t;

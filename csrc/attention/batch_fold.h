@@ -10,10 +10,6 @@
 
 namespace batchrules {
 
-// The vmap size: the batch dim's size of the first operand that has one.
-c10::SymInt vmap_size(
-    std::initializer_list<std::pair<const Tensor*, std::optional<int64_t>>> operands);
-
 // Physical [.., N, ..] (logical [B, ...]) -> [N*B, ...]; an unbatched operand
 // is repeated N times, each copy laid out as the operand is.
 Tensor fold_batch(const Tensor& t, std::optional<int64_t> bdim, const c10::SymInt& n);

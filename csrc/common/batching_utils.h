@@ -6,7 +6,11 @@
 #include <ATen/functorch/TensorWrapper.h>
 #include <c10/core/SymInt.h>
 
+#include <c10/util/Exception.h>
+
+#include <initializer_list>
 #include <optional>
+#include <utility>
 
 namespace batchrules {
 
@@ -45,6 +49,39 @@ inline BatchedResult squeeze_logical_dim(const Tensor& t, std::optional<int64_t>
     return {t.squeeze(dim), std::nullopt};
   }
   return {move_bdim_to_front(t, bdim).squeeze(dim + 1), 0};
+}
+
+// The vmap size B: the batch dim's size of the first batched operand (a
+// rule runs only when one operand is batched).
+inline c10::SymInt vmap_size(
+    std::initializer_list<std::pair<const Tensor*, std::optional<int64_t>>> operands) {
+  for (const auto& [t, bdim] : operands) {
+    if (bdim.has_value()) {
+      return t->sym_size(*bdim);
+    }
+  }
+  TORCH_INTERNAL_ASSERT(false, "a batching rule ran with no batched operand");
+}
+
+// Note [Aligning the operands of a pointwise op]
+// Shapes physical, B the vmap size: a batched operand gets its batch dim in
+// front and is padded with size-1 dims after it up to the larger logical
+// rank `rank`, so the batch dims line up and the per-example dims broadcast
+// as in eager:
+//   g: B,N   x: B,M,N  ->  g: B,1,N   x: B,M,N  ->  B,M,N
+// A shared operand is returned as it is: it broadcasts right-aligned against
+// the batched one's logical dims:
+//   g: B,M,N   x: N  ->  B,M,N        g: B,N   x: M,N  ->  g: B,1,N  ->  B,M,N
+// movedim and the padding are views: nothing is copied.
+inline Tensor align_batch_first(const Tensor& t, std::optional<int64_t> bdim, int64_t rank) {
+  if (!bdim.has_value()) {
+    return t;
+  }
+  Tensor out = move_bdim_to_front(t, bdim);
+  while (out.dim() < rank + 1) {
+    out = out.unsqueeze(1);
+  }
+  return out;
 }
 
 // Product of the given sizes (empty product is 1). Used instead of

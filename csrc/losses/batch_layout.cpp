@@ -5,16 +5,6 @@
 
 namespace batchrules {
 
-c10::SymInt vmap_size(
-    std::initializer_list<std::pair<const Tensor*, std::optional<int64_t>>> operands) {
-  for (const auto& [t, bdim] : operands) {
-    if (bdim.has_value()) {
-      return t->sym_size(*bdim);
-    }
-  }
-  TORCH_INTERNAL_ASSERT(false, "a batching rule was called with no batched operand");
-}
-
 Tensor batch_first(const Tensor& t, std::optional<int64_t> bdim, const c10::SymInt& batch) {
   if (bdim.has_value()) {
     return move_bdim_to_front(t, bdim);
@@ -22,17 +12,6 @@ Tensor batch_first(const Tensor& t, std::optional<int64_t> bdim, const c10::SymI
   c10::SymDimVector sizes{batch};
   sizes.append(t.sym_sizes().begin(), t.sym_sizes().end());
   return t.unsqueeze(0).expand_symint(sizes);
-}
-
-Tensor align_batch_first(const Tensor& t, std::optional<int64_t> bdim, int64_t rank) {
-  if (!bdim.has_value()) {
-    return t;
-  }
-  Tensor f = move_bdim_to_front(t, bdim);
-  while (f.dim() < rank + 1) {
-    f = f.unsqueeze(1);
-  }
-  return f;
 }
 
 NllRows::NllRows(NllOp op, c10::SymIntArrayRef self, const Tensor& target_in,

@@ -14,18 +14,9 @@
 
 namespace batchrules {
 
-// The vmap size B: the batch dim's size of the first batched operand.
-c10::SymInt vmap_size(
-    std::initializer_list<std::pair<const Tensor*, std::optional<int64_t>>> operands);
-
 // Physical `t` with its batch dim first; a shared `t` is expanded to B
 // (stride 0, not copied).
 Tensor batch_first(const Tensor& t, std::optional<int64_t> bdim, const c10::SymInt& batch);
-
-// An elementwise operand laid out to broadcast against [B, *shape] (logical
-// rank `rank`): batch dim first and padded with 1s up to that rank; a shared
-// one is already right-aligned.
-Tensor align_batch_first(const Tensor& t, std::optional<int64_t> bdim, int64_t rank);
 
 // One nll problem over the rows of all B examples at once.
 struct NllRows {
