@@ -6,7 +6,11 @@ with explicit autograd formulas and vmap batching rules.
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C  # noqa: F401  (registers the operators)
+from ._build_check import check_build as _check_build
+
+_check_build()  # before loading _C: was it built for this torch?
+
+from . import _C  # noqa: E402, F401  (registers the operators)
 from ._post_import import when_imported as _when_imported
 from .decompositions import register_decompositions as _register_decompositions
 from .ops import linear, linear_backward
