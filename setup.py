@@ -26,9 +26,9 @@ try:
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 except ImportError as e:
     sys.exit(
-        "batchrules compiles its C++ extension against the torch installed in this environment, "
-        f"but torch cannot be imported here ({e}). Install torch first, then build without build "
-        "isolation (an isolated build would use another torch): "
+        "batchrules compiles its C++ extension against the installed torch, but torch cannot be "
+        f"imported by this build ({e}): torch is not installed, or pip isolated the build from "
+        "it. Install torch first, then build without build isolation: "
         "pip install --no-build-isolation -e .")
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -126,5 +126,5 @@ def test_setup_py_without_torch_explains_the_build() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, cwd=ROOT)
     assert result.returncode != 0
-    assert "torch cannot be imported here" in result.stderr
+    assert "torch cannot be imported by this build" in result.stderr
     assert "pip install --no-build-isolation -e ." in result.stderr
