@@ -31,6 +31,12 @@ except ImportError as e:
         "it. Install torch first, then build without build isolation: "
         "pip install --no-build-isolation -e .")
 
+# The oldest torch batchrules builds against; pyproject.toml's dependency says the same.
+MIN_TORCH = "2.13"
+if torch.__version__ < MIN_TORCH:
+    sys.exit(f"batchrules needs torch >= {MIN_TORCH}, but torch {torch.__version__} is installed: "
+             f'pip install "torch>={MIN_TORCH}", then pip install --no-build-isolation -e .')
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILD_INFO = os.path.join("batchrules", "_build_info.py")
 

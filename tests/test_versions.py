@@ -5,6 +5,7 @@ the extension is loaded (see Note [Building against the installed torch] in
 setup.py). The real upgrade (build on 2.13.0, install 2.14.1) runs in .ci/run.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -115,16 +116,34 @@ def test_no_exact_torch_pin() -> None:
     no torch in the isolated build environment."""
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    floor = re.search(r'MIN_TORCH = "([0-9.]+)"', (ROOT / "setup.py").read_text()).group(1)
     torch_deps = [d for d in project["project"]["dependencies"] if d.startswith("torch")]
-    assert torch_deps == ["torch>=2.13"]
+    assert torch_deps == [f"torch>={floor}"]
     assert not any(r.startswith("torch") for r in project["build-system"]["requires"])
 
 
+def run_setup_py(prelude: str) -> subprocess.CompletedProcess:
+    """``setup.py --name`` after ``prelude`` (which changes what torch looks like)."""
+    code = (prelude + "\nimport runpy, sys; sys.argv = ['setup.py', '--name']\n"
+            "runpy.run_path('setup.py', run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
 def test_setup_py_without_torch_explains_the_build() -> None:
-    code = ("import sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--name']\n"
-            "exec(compile(open('setup.py').read(), 'setup.py', 'exec'))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60, cwd=ROOT)
+    result = run_setup_py("import sys; sys.modules['torch'] = None")
     assert result.returncode != 0
     assert "torch cannot be imported by this build" in result.stderr
     assert "pip install --no-build-isolation -e ." in result.stderr
+
+
+def test_setup_py_rejects_a_torch_below_the_floor() -> None:
+    result = run_setup_py("import torch; torch.__version__ = torch.torch_version.TorchVersion('2.12.1')")
+    assert result.returncode != 0
+    assert "batchrules needs torch >= 2.13, but torch 2.12.1 is installed" in result.stderr
+
+
+def test_setup_py_accepts_the_installed_torch() -> None:
+    result = run_setup_py("")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "batchrules"
