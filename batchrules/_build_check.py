@@ -33,9 +33,9 @@ def rebuild_command(info: Optional[ModuleType]) -> str:
 
 def _load_record() -> Optional[ModuleType]:
     try:
-        return importlib.import_module("batchrules._build_info")
+        return importlib.import_module(f"{__package__}._build_info")
     except ModuleNotFoundError as e:
-        if e.name != "batchrules._build_info":
+        if e.name != f"{__package__}._build_info":
             raise
         return None
 
@@ -59,9 +59,9 @@ def check_build() -> None:
     info = _load_record()
     if info is None:
         raise ImportError(
-            "batchrules: the C++ extension has not been built (no batchrules/_build_info.py "
-            f"next to {_PACKAGE_DIR}/__init__.py). Build it against the installed torch "
-            f"{torch.__version__} with:\n    {rebuild_command(None)}")
+            f"batchrules: the C++ extension has not been built for {_PACKAGE_DIR} (its build "
+            "record, batchrules/_build_info.py, is missing). Build it against the installed "
+            f"torch {torch.__version__} with:\n    {rebuild_command(None)}")
     reason = mismatch(info)
     if reason is not None:
         raise ImportError(
