@@ -32,12 +32,12 @@ def rebuild_command(info: Optional[ModuleType]) -> str:
 
 
 def _load_record() -> Optional[ModuleType]:
-    try:
-        return importlib.import_module(f"{__package__}._build_info")
-    except ModuleNotFoundError as e:
-        if e.name != f"{__package__}._build_info":
-            raise
+    # The record must sit next to this package's extension. (A plain import could
+    # find another checkout's: setuptools' editable-install finder resolves
+    # batchrules.* submodules in the installed checkout when this one lacks them.)
+    if not os.path.isfile(os.path.join(_PACKAGE_DIR, "_build_info.py")):
         return None
+    return importlib.import_module(f"{__package__}._build_info")
 
 
 def mismatch(info: ModuleType) -> Optional[str]:
