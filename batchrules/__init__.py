@@ -1,17 +1,24 @@
-"""batchrules: ``linear`` as a first-class citizen of ``torch.func``.
+"""batchrules: the ops of a training step as first-class citizens of ``torch.func``.
 
 Importing the package loads the C++ extension, which registers the operators
 ``torch.ops.batchrules.linear`` / ``linear_backward``, ``silu`` /
 ``silu_backward`` and ``mish`` / ``mish_backward`` with explicit autograd
-formulas and vmap batching rules.
+formulas and vmap batching rules, plus vmap batching rules for aten's loss and
+scaled-dot-product-attention kernels. ``enable()`` routes ``F.linear``,
+``F.silu``, ``F.mish`` and attention to them under torch.func transforms;
+``clipped_grad`` is the DP-SGD transform (per-sample clipped gradient sums).
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C  # noqa: F401  (registers the operators)
+from ._build_check import check_build as _check_build
+
+_check_build()  # before loading _C: was it built for this torch?
+
+from . import _C  # noqa: E402, F401  (registers the operators)
 from .activations import mish, mish_backward, silu, silu_backward
 from ._post_import import when_imported as _when_imported
 from .decompositions import register_decompositions as _register_decompositions
-from .dp import clipped_grad  # noqa: F401  (batchrules.clipped_grad)
+from .dp import clipped_grad
 from .ops import linear, linear_backward
 from .ops import register_compile_polyfill as _register_compile_polyfill
 from .routing import disable, enable, enabled, is_enabled
@@ -28,6 +35,6 @@ _when_imported("torch.distributed.tensor", _register_sharding_strategies)
 _when_imported("torch._dynamo", _register_compile_polyfill)
 
 __all__ = ["linear", "linear_backward", "silu", "silu_backward", "mish", "mish_backward",
-           "enable", "disable", "enabled", "is_enabled"]
+           "clipped_grad", "enable", "disable", "enabled", "is_enabled"]
 
 __version__ = "0.1.0"

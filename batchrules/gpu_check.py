@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import torch
 
 import batchrules
+from batchrules import _build_info
 
 # Per-step caps in seconds; each step also gets no more than what is left.
 CAPS = {"test_cuda": 100, "bench": 100, "compile_bench": 80}
@@ -83,7 +84,8 @@ def main() -> int:
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "batchrules": batchrules.__file__, "steps": {},
+        "batchrules": batchrules.__file__, "built_for_torch": _build_info.TORCH_VERSION,
+        "steps": {},
     }
     steps: Dict[str, Dict[str, object]] = summary["steps"]  # type: ignore[assignment]
 

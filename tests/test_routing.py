@@ -232,8 +232,13 @@ def test_disable_restores_stock_decomposition(no_vmap_fallback: None) -> None:
 # --- Silence, threads, environment ------------------------------------------------------------
 
 
+# The dispatcher's override warning is TORCH_WARN_ONCE, and torch 2.14 already spends it
+# while `import torch` registers its own kernels: warn_always makes it fire on every release.
+WARN_ALWAYS = "import torch\ntorch.set_warn_always(True)\n"
+
+
 def test_enable_prints_nothing_even_with_warnings_as_errors() -> None:
-    code = (
+    code = WARN_ALWAYS + (
         "import torch, batchrules\n"
         "from torch.func import vmap\n"
         "for _ in range(3): batchrules.enable()\n"
@@ -250,8 +255,7 @@ def test_enable_prints_nothing_even_with_warnings_as_errors() -> None:
 def test_harness_sees_the_dispatcher_override_warning() -> None:
     # Overriding linear_hack without silencing the dispatcher does warn, so the
     # test above would catch that warning escaping from enable().
-    code = (
-        "import torch\n"
+    code = WARN_ALWAYS + (
         "lib = torch.library.Library('aten', 'IMPL')\n"
         "lib.impl('linear', lambda x, w, b=None: x, 'FuncTorchDynamicLayerFrontMode')\n"
     )
