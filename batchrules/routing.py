@@ -1,11 +1,21 @@
-"""Opt-in routing of ``F.linear`` / ``nn.Linear`` under torch.func transforms.
+"""Opt-in routing of a training step's ops under torch.func transforms.
 
-While enabled, ``aten::linear`` called under any ``torch.func`` transform (vmap,
-grad, vjp, jvp, jacrev, jacfwd, hessian, functional_call inside them) runs
-``batchrules::linear``, with its autograd formulas and batching rules. Eager
-code outside transforms is untouched and pays nothing: the kernel lives on a
-dispatch key that is only active inside transforms. Disabling restores the
-stock kernel exactly.
+While enabled, under any ``torch.func`` transform (vmap, grad, vjp, jvp,
+jacrev, jacfwd, hessian, functional_call inside them):
+
+- ``aten::linear`` (``nn.Linear``, ``F.linear``) runs ``batchrules::linear``,
+  ``aten::silu`` / ``aten::mish`` run ``batchrules::silu`` / ``mish``, with
+  their autograd formulas and batching rules;
+- ``aten::scaled_dot_product_attention`` picks a kernel that every transform
+  in the stack can differentiate, and the fused attention kernels get batching
+  rules instead of the per-example fallback;
+- the losses' kernels (``nll_loss``/``nll_loss2d`` forward and backward, the
+  mse/smooth_l1/huber backwards, huber forward) get batching rules instead of
+  functorch's Python decompositions.
+
+Eager code outside transforms is untouched and pays nothing: the kernels live
+on dispatch keys that are only active inside transforms. Disabling restores
+the stock kernels exactly.
 
 The switch is process-wide (it changes the dispatcher's kernel table), not
 per-thread. ``enable()``/``disable()`` may be called repeatedly and from
@@ -33,9 +43,10 @@ _lock = threading.Lock()
 
 
 def enable() -> None:
-    """Route ``aten::linear`` under torch.func transforms to ``batchrules::linear``.
+    """Route linear, SiLU, Mish, attention and the losses under torch.func transforms.
 
-    Idempotent, silent and process-wide.
+    See the module docstring for what runs where. Idempotent, silent and
+    process-wide.
     """
     # See Note [Routing aten ops only while transforms are active] (csrc/routing.cpp).
     load_functorch_vmap_decompositions()
@@ -44,7 +55,7 @@ def enable() -> None:
 
 
 def disable() -> None:
-    """Restore the stock torch.func kernel of ``aten::linear`` exactly. Idempotent."""
+    """Restore the stock torch.func kernels of every routed aten op exactly. Idempotent."""
     with _lock:
         _C._set_routing_enabled(False)
 

@@ -80,9 +80,10 @@ py::object linear_entry(py::handle input, py::handle weight, py::handle bias) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_routing_enabled", &batchrules::set_routing_enabled,
         pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "Route aten::linear under torch.func transforms to batchrules::linear (process-wide).");
+        "Route linear, silu, mish, attention and the losses' kernels under torch.func transforms "
+        "(process-wide).");
   m.def("_routing_enabled", &batchrules::routing_enabled,
-        "Whether aten::linear is routed to batchrules::linear under torch.func transforms.");
+        "Whether the routes of every op family are registered (see routing.py).");
   // See Note [Eager entry of batchrules.linear].
   m.def("linear", &linear_entry, py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(),
         R"doc(The eager entry of batchrules.linear (see its docstring).)doc");
