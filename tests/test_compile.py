@@ -255,3 +255,25 @@ def test_routing_decides_what_compile_traces(routing: bool, extern_kernels: None
         torch.compile(per_sample_grads_fn(model), fullgraph=True, backend=backend)(params, x, y)
     traced = [op for op in graph_ops(backend.fw_graphs) if op.startswith("batchrules")]
     assert bool(traced) == routing
+
+
+def test_batched_weight_traced_as_bmm_and_add() -> None:
+    """See Note [GEMM and bias apart when traced]: eager vmap over batched
+    weights runs one baddbmm, the compiled graph bmm + add (which Inductor fuses
+    with what follows), with the same values."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(3, 4, 6), torch.randn(3, 5, 6), torch.randn(3, 5)
+
+    def ensemble_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return vmap(lambda xi, wi, bi: F.linear(xi, wi, bi).relu())(x, w, b)
+
+    backend = AotEagerAndRecordGraphs()
+    with batchrules.enabled():
+        got = torch.compile(ensemble_forward, fullgraph=True, backend=backend)(x, w, b)
+        with torch.profiler.profile() as prof:
+            eager = ensemble_forward(x, w, b)
+    fw = graph_ops(backend.fw_graphs)
+    assert "aten.bmm.default" in fw and "aten.add.Tensor" in fw and "aten.baddbmm.default" not in fw
+    assert "aten::baddbmm" in {e.name for e in prof.events()}
+    torch.testing.assert_close(got, eager)
+    torch.testing.assert_close(got, torch.einsum("bni,boi->bno", x, w).add(b[:, None]).relu())

