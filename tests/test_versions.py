@@ -122,6 +122,18 @@ def test_no_exact_torch_pin() -> None:
     assert not any(r.startswith("torch") for r in project["build-system"]["requires"])
 
 
+def test_ci_runs_the_readme_quickstart_verbatim() -> None:
+    """.ci/run runs the README quickstart's two commands as written, and the
+    install command keeps an installed torch (a floor, never torch==)."""
+    readme = (ROOT / "README.md").read_text()
+    quickstart = readme[readme.index("## Quickstart"):]
+    commands = re.findall(r"```bash\n(.+?)\n```", quickstart)[:2]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert commands == [re.search(rf"^{name}='(.+)'$", ci, re.M).group(1)
+                        for name in ("QUICKSTART_INSTALL_AND_BENCH", "QUICKSTART_TEST")]
+    assert "torch==" not in commands[0] and '"torch>=' in commands[0]
+
+
 def run_setup_py(prelude: str) -> subprocess.CompletedProcess:
     """``setup.py --name`` after ``prelude`` (which changes what torch looks like)."""
     code = (prelude + "\nimport runpy, sys; sys.argv = ['setup.py', '--name']\n"
