@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
+from torch.func import functional_call, grad, vmap
 from torch.profiler import ProfilerActivity, profile
 
 import batchrules
 from activation_samples import ACTS, Act
+from routing_transforms import REVERSE_MODE, X, transforms
 from batchrules.examples.inspect_routing import batchrules_op_counts
 
 ROUTED_KERNEL_SOURCE = "routing.cpp"  # where the route libraries are created (the dump names it)
@@ -38,35 +39,6 @@ def mlp(act: Act) -> nn.Module:
                          nn.Linear(4, 2)).double()
 
 
-X = torch.randn(5, 3, dtype=torch.float64)
-
-
-def transforms(model: nn.Module) -> Dict[str, Callable[[], object]]:
-    params = {k: p.detach() for k, p in model.named_parameters()}
-
-    def out(x: Tensor) -> Tensor:
-        return functional_call(model, params, (x,))
-
-    def scalar(x: Tensor) -> Tensor:
-        return out(x).pow(2).sum()
-
-    def param_loss(p: Dict[str, Tensor], x: Tensor) -> Tensor:
-        return functional_call(model, p, (x,)).pow(2).sum()
-
-    return {
-        "vmap": lambda: vmap(out)(X),
-        "vmap_vmap": lambda: vmap(vmap(out))(X.reshape(1, 5, 3).expand(2, 5, 3)),
-        "grad": lambda: grad(scalar)(X[0]),
-        "vjp": lambda: vjp(out, X[0])[1](torch.ones(2, dtype=torch.float64)),
-        "jvp": lambda: jvp(out, (X[0],), (torch.ones(3, dtype=torch.float64),)),
-        "jacrev": lambda: jacrev(out)(X[0]),
-        "jacfwd": lambda: jacfwd(out)(X[0]),
-        "hessian": lambda: hessian(scalar)(X[0]),
-        "vmap_grad": lambda: vmap(grad(param_loss), in_dims=(None, 0))(params, X),
-    }
-
-
-REVERSE_MODE = {"grad", "vjp", "jacrev", "hessian", "vmap_grad"}
 
 
 @pytest.mark.parametrize("name", list(transforms(nn.Identity())))

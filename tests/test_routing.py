@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
+from torch.func import grad, vmap
 
 import batchrules
 from batchrules.examples.inspect_routing import batchrules_op_counts
+from routing_transforms import REVERSE_MODE, X, transforms
 
 # Where the imported batchrules lives (checkout or site-packages): subprocesses
 # run there so that they import the same build.
@@ -104,39 +105,12 @@ def mlp() -> nn.Module:
 
 MODEL = mlp()
 PARAMS = {k: p.detach() for k, p in MODEL.named_parameters()}
-X = torch.randn(5, 3, dtype=torch.float64)
-
-
-def out(x: Tensor) -> Tensor:
-    return functional_call(MODEL, PARAMS, (x,))
-
-
-def scalar(x: Tensor) -> Tensor:
-    return out(x).pow(2).sum()
-
-
-def param_loss(p: Dict[str, Tensor], x: Tensor) -> Tensor:
-    return functional_call(MODEL, p, (x,)).pow(2).sum()
-
-
-# name -> (call, uses reverse mode)
-TRANSFORMS: Dict[str, tuple] = {
-    "vmap": (lambda: vmap(out)(X), False),
-    "vmap_vmap": (lambda: vmap(vmap(out))(X.reshape(1, 5, 3).expand(2, 5, 3)), False),
-    "grad": (lambda: grad(scalar)(X[0]), True),
-    "vjp": (lambda: vjp(out, X[0])[1](torch.ones(2, dtype=torch.float64)), True),
-    "jvp": (lambda: jvp(out, (X[0],), (torch.ones(3, dtype=torch.float64),)), False),
-    "jacrev": (lambda: jacrev(out)(X[0]), True),
-    "jacfwd": (lambda: jacfwd(out)(X[0]), False),
-    "hessian": (lambda: hessian(scalar)(X[0]), True),
-    "vmap_grad_functional_call": (
-        lambda: vmap(grad(param_loss), in_dims=(None, 0))(PARAMS, X), True),
-}
+TRANSFORMS = transforms(MODEL)
 
 
 @pytest.mark.parametrize("name", list(TRANSFORMS))
 def test_transform_runs_batchrules_linear(name: str, no_vmap_fallback: None) -> None:
-    call, reverse_mode = TRANSFORMS[name]
+    call = TRANSFORMS[name]
     with batchrules.enabled(True):
         routed_counts = batchrules_op_counts(call)
         routed = call()
@@ -144,7 +118,7 @@ def test_transform_runs_batchrules_linear(name: str, no_vmap_fallback: None) -> 
         stock_counts = batchrules_op_counts(call)
         stock = call()
     assert routed_counts.get("batchrules::linear", 0) >= 2, routed_counts  # both layers
-    if reverse_mode:
+    if name in REVERSE_MODE:
         assert routed_counts.get("batchrules::linear_backward", 0) >= 2, routed_counts
         assert routed_counts.get("BatchrulesLinearBackward0", 0) >= 2, routed_counts
     assert stock_counts == {}
