@@ -1,8 +1,9 @@
 """The Opacus variants: per-sample gradients (GradSampleModule hooks) and DP-SGD clipping."""
+import contextlib
 import copy
 import importlib
 import warnings
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +24,15 @@ def opacus_missing_reason() -> Optional[str]:
     return None
 
 
+@contextlib.contextmanager
+def quiet_input_hooks() -> Iterator[None]:
+    """Opacus' backward hooks fire on module outputs because the input needs no
+    grad, as intended here; torch warns about that on every step."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        yield
+
+
 def opacus_variant(
     model: nn.Module, x: Tensor, y: Tensor, loss_sum: Callable[[Tensor, Tensor], Tensor]
 ) -> Optional[Variant]:
@@ -37,9 +47,7 @@ def opacus_variant(
     params: List[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
 
     def step() -> List[Tensor]:
-        with warnings.catch_warnings():
-            # The hooks fire on module outputs because x needs no grad: intended.
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        with quiet_input_hooks():
             loss_sum(module(x), y).backward()
         grads = [p.grad_sample for p in params]
         # Release the module's references so that, as for the other variants,
@@ -124,8 +132,7 @@ def opacus_clip_variant(
     params = [p for p in module.parameters() if p.requires_grad]
 
     def step() -> List[Tensor]:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        with quiet_input_hooks():
             loss_sum(module(x), y).backward()
         samples = [p.grad_sample for p in params]
         norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in samples], 1).norm(2, dim=1)
@@ -169,8 +176,7 @@ def opacus_ghost_variant(
     criterion = DPLossFastGradientClipping(module, optimizer, criterion_sum, loss_reduction="sum")
 
     def step() -> List[Tensor]:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        with quiet_input_hooks():
             criterion(module(x), y).backward()
         sums = [p.grad for p in params]
         for p in params:

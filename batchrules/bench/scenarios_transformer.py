@@ -9,7 +9,6 @@ w.r.t. each stacked copy is that member's (sample's) gradient. Attention runs
 the fused SDPA kernel on the folded [stack * batch, H, T, hd] batch, as the
 batchrules rule does under vmap.
 """
-import warnings
 from typing import Dict, List, Optional
 
 import torch
@@ -19,6 +18,7 @@ from torch.func import functional_call, grad, vmap
 
 from .case import Case, CaseSetup, Variant, vmap_identity
 from .models import detached_params, in_float64, mse, stacked_ensemble
+from .opacus_variant import quiet_input_hooks
 
 D_MODEL, NHEAD, FFN, SEQ = 64, 4, 128, 32
 MEMBERS = 4
@@ -103,9 +103,7 @@ def _opacus_variant(model: nn.Module, x: Tensor, y: Tensor) -> Optional[Variant]
     x_t, y_t = x.transpose(0, 1), y.transpose(0, 1)  # T, B, d
 
     def step() -> List[Tensor]:
-        with warnings.catch_warnings():
-            # The hooks fire on module outputs because x needs no grad: intended.
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        with quiet_input_hooks():
             # per-sample mean squared error, summed: each sample's gradient is its own
             (module(x_t) - y_t).pow(2).mean(dim=(0, 2)).sum().backward()
         grads = [torch.cat([w.grad_sample for w in split_w], dim=1),
