@@ -35,3 +35,12 @@ def routing_on() -> Iterator[None]:
     """Run with batchrules routing enabled, restoring the previous state after."""
     with batchrules.enabled(True):
         yield
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Start and leave with dynamo's caches empty, so compiled graphs of one test
+    (compiled under one routing state) are never reused by another."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

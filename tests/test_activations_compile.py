@@ -2,7 +2,7 @@
 routing on: AOTAutograd lowers the ops to ATen's kernels (aten.silu,
 aten.silu_backward, ...; see batchrules/decompositions.py), graph checks with
 aot_eager, one end-to-end Inductor compile."""
-from typing import Dict, Iterator, List
+from typing import Dict, List
 
 import pytest
 import torch
@@ -15,14 +15,8 @@ import batchrules
 from activation_samples import ACTS, Act
 from batchrules import decompositions
 
-pytestmark = pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd")
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd"),
+              pytest.mark.usefixtures("fresh_dynamo")]
 
 
 def graph_ops(graphs: List[torch.fx.GraphModule]) -> List[str]:

@@ -18,14 +18,8 @@ import batchrules
 from batchrules import decompositions
 
 # aot_eager's compiled functions take unboxed arguments; AOTAutograd says so.
-pytestmark = pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd")
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd"),
+              pytest.mark.usefixtures("fresh_dynamo")]
 
 
 @pytest.fixture
