@@ -256,3 +256,45 @@ def test_attention_outside_the_decomposed_configuration(routing, kinds) -> None:
 
     check_model(Attend(), *data(3, 6))
     assert kinds["attn.in_proj_weight"] == "materialized"
+
+
+class Conv1D(nn.Module):
+    """transformers' GPT-2 Conv1D: a linear with a [in, out] weight, through torch.addmm."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.5)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 6), (2, 16), (40, 3)],
+                         ids=["one_row", "ghost", "materialized"])
+def test_addmm_conv1d(routing, kinds, rows: int, width: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(width, width), nn.Tanh(), Conv1D(3, width))
+    check_model(model, *data(rows, width), loss_fn=seq_loss)
+    assert kinds == {"0.weight": "addmm", "0.bias": "bias", "2.weight": "addmm", "2.bias": "bias"}
+
+
+def test_addmm_weight_used_twice_and_by_a_linear(routing, kinds) -> None:
+    """Two addmm uses: one product over the concatenated rows; an addmm and a
+    linear use of one weight: materialized."""
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c = Conv1D(5, 5)
+            self.w = nn.Parameter(torch.randn(5, 5))
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.c(self.c(x).tanh()).view(-1, 5)
+            shared_bias = torch.ones(5, dtype=h.dtype)
+            return F.linear(torch.addmm(shared_bias, h, self.w), self.w)[..., :3]
+
+    torch.manual_seed(0)
+    check_model(Twice(), *data(3, 5), loss_fn=seq_loss)
+    assert kinds == {"c.weight": "addmm", "c.bias": "bias", "w": "materialized"}

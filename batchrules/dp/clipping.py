@@ -3,16 +3,17 @@
 Each parameter is handled by the kind of its uses (the calls whose output
 reached the loss):
   kind          uses                                 norms / clipped sum
-  linear        only linear weight uses              cost.py's choice / one GEMM
-  conv          one convolution weight use           conv.py's choice / one kernel
-  embedding     only embedding uses                  per-index sums / one kernel
-  bias          only bias uses (linear, conv,        [B, *shape] per-sample
-                layer norm)                          gradients / one GEMV
+  a rule's      only weight uses of one layer rule   the rule's norms_sq /
+  (its kind)    (rule.py), which ``factored`` takes  clipped_sum
+  bias          only bias uses                       [B, *shape] per-sample
+                                                     gradients / one GEMV
   materialized  anything else: a per-sample copy     [B, *shape] per-sample
-                (tape.py), a LayerNorm weight, or    gradients / one GEMV
-                uses of several kinds (Note [One parameter, several uses])
+                (tape.py), a weight the rule does    gradients / one GEMV
+                not factor, or uses of several kinds
+                (Note [One parameter, several uses])
   zero          no use reached the loss              zeros
-A bias used by exactly the calls of its weight is summed with it.
+A bias used by exactly the calls of its weight (its fused bias) is summed
+with it, and its norm is the weight rule's when ``norms_include_bias``.
 """
 from collections import Counter
 from typing import Callable, Dict, List, Optional, Tuple
@@ -20,17 +21,25 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import embedding
-from .conv import ConvUse
 from .cost import sq_norms
-from .embedding import EmbeddingUse
-from .linear import LinearUse, weight_clipped_sum, weight_norms_sq
-from .tape import Param, Use, zeros_grad
+from .rule import Use
+from .tape import Param, zeros_grad
 
 # Added to the norm before dividing, as Opacus does: c_i = min(1, C / (||g_i|| + EPS)).
 EPS = 1e-6
 
+# The kinds clipped from per-sample gradients; any kind but these and "zero"
+# is a layer rule's (Use.kind).
+_PER_SAMPLE = ("bias", "materialized")
 
+
+# Note [One parameter, several uses]
+# A parameter used by several calls (weights tied across layers, a layer
+# applied twice) has as per-sample gradient the sum over its uses. A rule
+# whose ``factored`` takes them all treats them as one use (a linear's: one
+# linear over the concatenated rows). A parameter whose uses are of different
+# kinds (a linear and an embedding, or a linear and a per-sample copy) takes
+# the materialized path: each use's per-sample gradient [B, *shape], summed.
 def _live(param: Param) -> List[Use]:
     return [u for u in param.uses if u.grad is not None]
 
@@ -44,12 +53,10 @@ def kind(param: Param) -> str:
     roles = {(type(u), u.roles()[param]) for u in live}
     if all(role == "bias" for _, role in roles):
         return "bias"
-    if roles == {(LinearUse, "weight")}:
-        return "linear"
-    if roles == {(ConvUse, "weight")} and len(live) == 1:
-        return "conv"
-    if roles == {(EmbeddingUse, "weight")}:
-        return "embedding"
+    if len(roles) == 1:
+        ((rule, role),) = roles
+        if role == "weight" and rule.factored(live):
+            return rule.kind
     return "materialized"
 
 
@@ -65,13 +72,11 @@ def per_sample_grad(param: Param, batch: int) -> Tensor:
 
 
 def _fused_bias(weight: Param, kinds: Dict[Param, str]) -> Optional[Param]:
-    """The bias whose every use is a use of ``weight`` with that bias: its
-    norm and clipped sum come with the weight's."""
+    """The bias whose every use is a use of ``weight``, in the role "bias":
+    its norm and clipped sum come with the weight's."""
     uses = _live(weight)
-    bias = getattr(uses[0], "bias", None)
-    if bias is None or kinds[bias] != "bias":
-        return None
-    if _live(bias) != uses or any(u.bias is not bias for u in uses):  # type: ignore[attr-defined]
+    bias = next((p for p, role in uses[0].roles().items() if role == "bias"), None)
+    if bias is None or kinds[bias] != "bias" or _live(bias) != uses:
         return None
     return bias
 
@@ -79,19 +84,16 @@ def _fused_bias(weight: Param, kinds: Dict[Param, str]) -> Optional[Param]:
 def _norms(params: List[Param], kinds: Dict[Param, str], fused: Dict[Param, Param],
            per_sample: Dict[Param, Tensor], batch: int) -> Tensor:
     squares: List[Tensor] = []
-    # a linear weight's norm includes its fused bias' (linear.weight_norms_sq)
-    in_weight_norm = {b for w, b in fused.items() if kinds[w] == "linear"}
+    in_weight_norm = {b for w, b in fused.items() if type(_live(w)[0]).norms_include_bias}
     for p in params:
         k = kinds[p]
-        if k == "linear":
-            squares.append(weight_norms_sq(p, fused.get(p)))
-        elif k == "conv":
-            squares.append(_live(p)[0].norms_sq())  # type: ignore[attr-defined]
-        elif k == "embedding":
-            squares.append(embedding.norms_sq(_live(p), batch))  # type: ignore[arg-type]
-        elif k in ("bias", "materialized") and p not in in_weight_norm:
-            per_sample[p] = per_sample_grad(p, batch)
-            squares.append(sq_norms(per_sample[p].flatten(1), 1))
+        if k in _PER_SAMPLE:
+            if p not in in_weight_norm:
+                per_sample[p] = per_sample_grad(p, batch)
+                squares.append(sq_norms(per_sample[p].flatten(1), 1))
+        elif k != "zero":
+            uses = _live(p)
+            squares.append(type(uses[0]).norms_sq(uses, fused.get(p)))
     if not squares:
         return torch.zeros(batch, dtype=params[0].leaf.dtype if params else None,
                            device=params[0].leaf.device if params else None)
@@ -105,16 +107,13 @@ def _clipped_sum(p: Param, k: str, coef: Tensor, fused: Dict[Param, Param],
                  per_sample: Dict[Param, Tensor],
                  owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
     """The clipped sum of ``p`` (and of its fused bias)."""
-    if k == "linear":
-        return weight_clipped_sum(p, coef, fused.get(p), owned)
-    if k == "conv":
-        return _live(p)[0].clipped_sum(coef, p in fused, owned)  # type: ignore[attr-defined]
-    if k == "embedding":
-        return embedding.clipped_sum(_live(p), coef), None  # type: ignore[arg-type]
-    if k in ("bias", "materialized"):
+    if k in _PER_SAMPLE:
         g = per_sample.pop(p)
         return torch.tensordot(coef.to(g.dtype), g, dims=1), None
-    return torch.zeros_like(p.leaf), None
+    if k == "zero":
+        return torch.zeros_like(p.leaf), None
+    uses = _live(p)
+    return type(uses[0]).clipped_sum(uses, coef, fused.get(p), owned)
 
 
 def _storage(t: Tensor) -> int:
@@ -133,7 +132,7 @@ def clip(params: List[Param], batch: int, max_norm: float) -> Tuple[List[Tensor]
         device = params[0].leaf.device if params else None
         return [torch.zeros_like(p.leaf) for p in params], torch.zeros(0, dtype=dtype, device=device)
     kinds = {p: kind(p) for p in params}
-    fused = {p: b for p in params if kinds[p] in ("linear", "conv")
+    fused = {p: b for p in params if kinds[p] not in (*_PER_SAMPLE, "zero")
              for b in [_fused_bias(p, kinds)] if b is not None}
     per_sample: Dict[Param, Tensor] = {}
     norms = _norms(params, kinds, fused, per_sample, batch)

@@ -5,15 +5,9 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from .._compat import (add_batch_dim, batched_level, current_transform_level, only_vmaps_above,
-                       unwrap_batched)
+from .._compat import current_transform_level, only_vmaps_above
+from .rule import NOT_HANDLED, Intercept
 from .tape import Tape
-
-# A rule's answer when it does not handle a call: the call then takes the
-# generic path (Note [Per-sample copies] in tape.py).
-NOT_HANDLED = object()
-
-Rule = Callable[[Tape, Tuple[Any, ...], Dict[str, Any]], Any]
 
 # Tensor properties that are differentiable views (the rest are metadata).
 _VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
@@ -33,67 +27,28 @@ def _is_metadata(func: Callable) -> bool:
     return name in _METADATA_METHODS
 
 
-def bind(names: Sequence[str], defaults: Sequence[Any], args: Tuple[Any, ...],
-         kwargs: Dict[str, Any]) -> Optional[Tuple[Any, ...]]:
-    """The arguments of a call by position, ``defaults`` filling the trailing
-    ones; None when the call does not fit ``names`` (the op then reports it)."""
-    required = len(names) - len(defaults)
-    if len(args) > len(names) or any(k not in names for k in kwargs):
-        return None
-    values = list(args)
-    for i in range(len(args), len(names)):
-        if names[i] in kwargs:
-            values.append(kwargs[names[i]])
-        elif i >= required:
-            values.append(defaults[i - required])
-        else:
-            return None
-    if any(names[i] in kwargs for i in range(len(args))):
-        return None
-    return tuple(values)
-
-
-def physical(tape: Tape, x: Any) -> Optional[Tensor]:
-    """``x`` as a physical batch-first tensor ``[B, *per-sample shape]``: its
-    storage if it is batched at clipped_grad's level, an expansion (no copy)
-    if it is a plain tensor shared by all samples; None otherwise."""
-    if not isinstance(x, Tensor) or tape.param(x) is not None:
-        return None
-    level = batched_level(x)
-    if level == tape.level:
-        value, bdim = unwrap_batched(x, level)
-        return value.movedim(bdim, 0)
-    if level == -1:
-        return x.expand(tape.batch_size, *x.shape)
-    return None
-
-
-def batched(tape: Tape, value: Tensor) -> Tensor:
-    """A batch-first physical result, handed back to the loss as per-sample."""
-    return add_batch_dim(value, 0, tape.level)
-
-
 class Interceptor(TorchFunctionMode):
-    """Routes each torch call of the loss: calls with a rule (``rules``) made
-    directly at clipped_grad's vmap level are handled by their rule, which
-    records a use on the tape; every other call that takes a parameter gets
-    per-sample copies instead (Note [Per-sample copies]); the rest runs as is.
+    """Routes each torch call of the loss: calls of a function in ``intercepts``
+    (rule.py's INTERCEPTS, filled by layers/) made directly at clipped_grad's
+    vmap level are handled by its rule, which records a use on the tape; every
+    other call that takes a parameter gets per-sample copies instead
+    (Note [Per-sample copies]); the rest runs as is.
     """
 
-    def __init__(self, tape: Tape, rules: Dict[Callable, Rule]) -> None:
+    def __init__(self, tape: Tape, intercepts: Dict[Callable, Intercept]) -> None:
         super().__init__()
         self.tape = tape
-        self.rules = rules
+        self.intercepts = intercepts
 
     def __torch_function__(self, func: Callable, types: Any, args: Tuple[Any, ...] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
         if not torch.is_grad_enabled() or _is_metadata(func):
             return func(*args, **kwargs)
-        rule = self.rules.get(func)
+        intercept = self.intercepts.get(func)
         at_our_level = current_transform_level() == self.tape.level
-        if rule is not None and at_our_level:
-            out = rule(self.tape, args, kwargs)
+        if intercept is not None and at_our_level:
+            out = intercept(self.tape, args, kwargs)
             if out is not NOT_HANDLED:
                 return out
         if (self._holds_param(args) or self._holds_param(tuple(kwargs.values()))) and (

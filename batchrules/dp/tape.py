@@ -1,6 +1,6 @@
 """What clipped_grad records during the forward: the parameters and their uses."""
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -8,34 +8,8 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from .._compat import add_batch_dim, allow_requires_grad, is_view, version_counter
 
-
-class Use:
-    """One intercepted call that used parameters through a detached copy.
-
-    ``edge`` is the autograd edge of the call's physical output (a tensor that
-    is not a view; see Note [Tapping an output that may later change in
-    place]); after the backward, ``grad`` holds ``d sum_i loss_i / d out``,
-    reshaped by ``set_grad``, or None when the output did not reach the loss.
-    """
-
-    edge: GradientEdge
-    grad: Optional[Tensor]
-
-    def roles(self) -> Dict["Param", str]:
-        """The parameters of this use, each with its role ("weight" / "bias")."""
-        raise NotImplementedError
-
-    def set_grad(self, grad: Optional[Tensor]) -> None:
-        raise NotImplementedError
-
-    def per_sample_grad(self, role: str) -> Tensor:
-        """``[B, *param.shape]``: the per-sample gradient of one role's param
-        through this use (the materialized path)."""
-        raise NotImplementedError
-
-    def release(self) -> None:
-        """Drops the recorded tensors once every parameter of the use is summed."""
-        raise NotImplementedError
+if TYPE_CHECKING:
+    from .rule import Use
 
 
 # Note [Tapping an output that may later change in place]
@@ -77,7 +51,7 @@ class Param:
     index: int
     namer: Callable[[], str]
     leaf: Tensor
-    uses: List[Use] = field(default_factory=list)
+    uses: List["Use"] = field(default_factory=list)
     copy: Optional[Tensor] = None  # physical [B, *shape] leaf
     copy_grad: Optional[Tensor] = None
 
@@ -103,13 +77,13 @@ class Tape:
         self.by_id: Dict[int, Param] = {id(p.leaf): p for p in params}
         self.batch_size = batch_size
         self.level = level
-        self.uses: List[Use] = []
-        self.versions: List[Tuple[Tensor, int, Use, str]] = []
+        self.uses: List["Use"] = []
+        self.versions: List[Tuple[Tensor, int, "Use", str]] = []
 
     def param(self, obj: object) -> Optional[Param]:
         return self.by_id.get(id(obj)) if isinstance(obj, Tensor) else None
 
-    def record(self, use: Use, inputs: Tuple[Tensor, ...], op: str) -> None:
+    def record(self, use: "Use", inputs: Tuple[Tensor, ...], op: str) -> None:
         """Adds a use of ``op`` ("linear", ...); ``inputs`` must keep their
         values until the backward."""
         self.uses.append(use)

@@ -5,7 +5,7 @@ The loss runs once under ``vmap(loss, in_dims)`` with the differentiated
 arguments unbatched: vmap passes them through unwrapped, so inside the
 vmapped function they are the very tensors clipped_grad passed in, and a
 TorchFunctionMode entered there (interceptor.py) recognizes every call that
-uses one. Rules run linears, convolutions, embeddings and self-attention on
+uses one. Rules (layers/) run linears, convolutions, embeddings and self-attention on
 the physical (batch-first) tensors with detached weights and record each
 call's input and an autograd edge of its output (tape.py); other calls get
 per-sample copies of the parameters they take. The backward is ONE
@@ -24,7 +24,7 @@ one backward; Opacus' ghost clipping needs a second backward.
 import functools
 import math
 import numbers
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +35,7 @@ from torch.utils._pytree import (keystr, tree_flatten, tree_flatten_with_path, t
 from .._compat import batched_level, current_transform_level, unwrap_batched
 from .clipping import clip
 from .interceptor import Interceptor
-from .rules import RULES
+from .layers import INTERCEPTS
 from .tape import Param, Tape
 
 ArgNums = Union[int, Tuple[int, ...]]
@@ -87,9 +87,23 @@ def clipped_grad(loss: Callable[..., Any], max_norm: float, *, in_dims: Any = No
     floating-point tensor, and a parameter reaching the loss through a call
     the interception cannot see. ``max_norm`` is checked here.
     """
+    _check_max_norm(max_norm)
+    _check_argnums(argnums)
+
+    @functools.wraps(loss)
+    def clipped(*args: Any) -> Any:
+        return _run(loss, float(max_norm), in_dims, argnums, has_aux, randomness, args)
+
+    return clipped
+
+
+def _check_max_norm(max_norm: Any) -> None:
     if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) \
             or not math.isfinite(max_norm) or max_norm <= 0:
         raise ValueError(f"clipped_grad: max_norm must be a finite number > 0, got {max_norm!r}")
+
+
+def _check_argnums(argnums: Any) -> None:
     if isinstance(argnums, bool) or not isinstance(argnums, (int, tuple)) or (
             isinstance(argnums, tuple) and (not argnums or not all(
                 isinstance(a, int) and not isinstance(a, bool) for a in argnums))):
@@ -98,11 +112,79 @@ def clipped_grad(loss: Callable[..., Any], max_norm: float, *, in_dims: Any = No
     if isinstance(argnums, tuple) and len(set(argnums)) != len(argnums):
         raise ValueError(f"clipped_grad: argnums must not repeat, got {argnums}")
 
-    @functools.wraps(loss)
-    def clipped(*args: Any) -> Any:
-        return _run(loss, float(max_norm), in_dims, argnums, has_aux, randomness, args)
 
-    return clipped
+def _clipped_grad(loss: Callable[..., Any], max_norm: float, in_dims: Any, argnums: ArgNums,
+                  has_aux: bool, randomness: str, args: Tuple[Any, ...]) -> Any:
+    """One step: the forward under vmap, the one backward, the clipping."""
+    if current_transform_level() is not None:
+        raise RuntimeError("clipped_grad cannot run inside a torch.func transform (vmap, grad, "
+                           "...): it runs its own vmap and a plain autograd backward")
+    positions = _positions(argnums, len(args))
+    dims = _in_dims(in_dims, positions, len(args))
+    params, specs = _params(args, positions)
+    differentiated = dict(zip(positions, _trees([p.leaf for p in params], specs)))
+    with torch.enable_grad():
+        losses, aux, tape = _forward(loss, has_aux, randomness, args, dims, params, differentiated)
+        _backward(losses, tape, params)
+    with torch.no_grad():
+        sums, norms = clip(params, tape.batch_size, max_norm)
+    results = tuple(_trees(sums, specs))
+    result = (results if isinstance(argnums, tuple) else results[0], norms)
+    return (result, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, aux)) \
+        if has_aux else result
+
+
+def _forward(loss: Callable[..., Any], has_aux: bool, randomness: str, args: Tuple[Any, ...],
+             dims: Tuple[Any, ...], params: List[Param],
+             differentiated: Dict[int, Any]) -> Tuple[Tensor, Any, Tape]:
+    """Every sample's loss, under vmap and the Interceptor, its aux, and the
+    tape of the uses it recorded; ``differentiated``: the arguments by
+    position, of ``params``' leaves."""
+    # Only the other arguments go through vmap (the differentiated ones are
+    # unbatched: vmap would pass them through unchanged, after flattening them).
+    others = [i for i in range(len(args)) if i not in differentiated]
+    tapes: List[Tape] = []
+
+    def per_sample(*batched_args: Any) -> Any:
+        level = current_transform_level()
+        tape = Tape(params, _batch_size(batched_args, level), level)
+        tapes.append(tape)
+        one = list(batched_args)
+        for pos in sorted(differentiated):
+            one.insert(pos, differentiated[pos])
+        with Interceptor(tape, INTERCEPTS):
+            out = loss(*one)
+        _check_loss(out, has_aux)
+        return out
+
+    out = vmap(per_sample, in_dims=tuple(dims[i] for i in others),
+               randomness=randomness)(*(args[i] for i in others))
+    losses, aux = out if has_aux else (out, None)
+    return losses, aux, tapes[-1]
+
+
+def _backward(losses: Tensor, tape: Tape, params: List[Param]) -> None:
+    """The one backward (Note [Forward under vmap, backward outside it]):
+    output gradients onto the recorded uses, per-sample copies' gradients
+    onto their params."""
+    copies = [p for p in params if p.copy is not None]
+    inputs = [u.edge for u in tape.uses] + [p.copy for p in copies] + [p.leaf for p in params]
+    grads: Tuple[Optional[Tensor], ...] = (None,) * len(inputs)
+    if losses.requires_grad and inputs:
+        grads = torch.autograd.grad(losses.sum(), inputs, allow_unused=True)
+    leaf_grads = grads[len(tape.uses) + len(copies):]
+    escaped = [p.name for p, g in zip(params, leaf_grads) if g is not None]
+    if escaped:
+        raise RuntimeError(
+            f"clipped_grad: {', '.join(escaped)} reached the loss through a call the interception "
+            "did not see (a nested torch.func transform, a torch.autograd.Function, a tensor "
+            "subclass, or a hook), so its per-sample norm would be wrong. Use it directly in "
+            "the loss (as functional_call does), outside nested transforms")
+    tape.check_inputs_unchanged()
+    for use, g in zip(tape.uses, grads):
+        use.set_grad(g)
+    for p, g in zip(copies, grads[len(tape.uses):]):
+        p.copy_grad = g
 
 
 def _positions(argnums: ArgNums, n_args: int) -> Tuple[int, ...]:
@@ -169,6 +251,12 @@ class _Namer:
         return f"argument {self.position}{keystr(path)}"
 
 
+def _trees(leaves: List[Any], specs: List[Any]) -> List[Any]:
+    """``leaves``, in order, as one pytree per spec."""
+    it = iter(leaves)
+    return [tree_unflatten([next(it) for _ in range(spec.num_leaves)], spec) for spec in specs]
+
+
 def _batch_size(args: Tuple[Any, ...], level: int) -> int:
     for arg in args:  # plain tensor arguments first: no pytree walk
         if isinstance(arg, Tensor) and batched_level(arg) == level:
@@ -181,86 +269,17 @@ def _batch_size(args: Tuple[Any, ...], level: int) -> int:
     raise AssertionError("vmap passed no batched argument")
 
 
-def _check_loss(value: Any) -> None:
-    if not isinstance(value, Tensor):
-        raise TypeError(f"clipped_grad: the loss must return a tensor, got {type(value).__name__}")
-    if value.dim() != 0 or not value.is_floating_point():
+def _check_loss(out: Any, has_aux: bool) -> None:
+    if has_aux:
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise ValueError("clipped_grad(has_aux=True): the loss must return a (loss, aux) "
+                             f"pair, got {type(out).__name__}")
+        out = out[0]
+    if not isinstance(out, Tensor):
+        raise TypeError(f"clipped_grad: the loss must return a tensor, got {type(out).__name__}")
+    if out.dim() != 0 or not out.is_floating_point():
         raise ValueError(f"clipped_grad: the loss must return a floating-point scalar per sample; "
-                         f"got shape {tuple(value.shape)} and dtype {value.dtype} for one sample")
-
-
-def _clipped_grad(loss: Callable[..., Any], max_norm: float, in_dims: Any, argnums: ArgNums,
-                  has_aux: bool, randomness: str, args: Tuple[Any, ...]) -> Any:
-    if current_transform_level() is not None:
-        raise RuntimeError("clipped_grad cannot run inside a torch.func transform (vmap, grad, "
-                           "...): it runs its own vmap and a plain autograd backward")
-    positions = _positions(argnums, len(args))
-    dims = _in_dims(in_dims, positions, len(args))
-    params, specs = _params(args, positions)
-    leaves = iter(p.leaf for p in params)
-    differentiated = {pos: tree_unflatten([next(leaves) for _ in range(spec.num_leaves)], spec)
-                      for pos, spec in zip(positions, specs)}
-    # Only the other arguments go through vmap (the differentiated ones are
-    # unbatched: vmap would pass them through unchanged, after flattening them).
-    others = [i for i in range(len(args)) if i not in differentiated]
-    tapes: List[Tape] = []
-
-    def per_sample(*batched_args: Any) -> Any:
-        level = current_transform_level()
-        tape = Tape(params, _batch_size(batched_args, level), level)
-        tapes.append(tape)
-        one = list(batched_args)
-        for pos in sorted(differentiated):
-            one.insert(pos, differentiated[pos])
-        with Interceptor(tape, RULES):
-            out = loss(*one)
-        if has_aux:
-            if not isinstance(out, tuple) or len(out) != 2:
-                raise ValueError("clipped_grad(has_aux=True): the loss must return a (loss, aux) "
-                                 f"pair, got {type(out).__name__}")
-            _check_loss(out[0])
-            return out
-        _check_loss(out)
-        return out
-
-    with torch.enable_grad():
-        out = vmap(per_sample, in_dims=tuple(dims[i] for i in others),
-                   randomness=randomness)(*(args[i] for i in others))
-        losses, aux = out if has_aux else (out, None)
-        tape = tapes[-1]
-        _backward(losses, tape, params)
-    with torch.no_grad():
-        sums, norms = clip(params, tape.batch_size, max_norm)
-    it = iter(sums)
-    results = tuple(tree_unflatten([next(it) for _ in range(spec.num_leaves)], spec)
-                    for spec in specs)
-    result = (results if isinstance(argnums, tuple) else results[0], norms)
-    return (result, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, aux)) \
-        if has_aux else result
-
-
-def _backward(losses: Tensor, tape: Tape, params: List[Param]) -> None:
-    """The one backward (Note [Forward under vmap, backward outside it]):
-    output gradients onto the recorded uses, per-sample copies' gradients
-    onto their params."""
-    copies = [p for p in params if p.copy is not None]
-    inputs = [u.edge for u in tape.uses] + [p.copy for p in copies] + [p.leaf for p in params]
-    grads: Tuple[Optional[Tensor], ...] = (None,) * len(inputs)
-    if losses.requires_grad and inputs:
-        grads = torch.autograd.grad(losses.sum(), inputs, allow_unused=True)
-    leaf_grads = grads[len(tape.uses) + len(copies):]
-    escaped = [p.name for p, g in zip(params, leaf_grads) if g is not None]
-    if escaped:
-        raise RuntimeError(
-            f"clipped_grad: {', '.join(escaped)} reached the loss through a call the interception "
-            "did not see (a nested torch.func transform, a torch.autograd.Function, a tensor "
-            "subclass, or a hook), so its per-sample norm would be wrong. Use it directly in "
-            "the loss (as functional_call does), outside nested transforms")
-    tape.check_inputs_unchanged()
-    for use, g in zip(tape.uses, grads):
-        use.set_grad(g)
-    for p, g in zip(copies, grads[len(tape.uses):]):
-        p.copy_grad = g
+                         f"got shape {tuple(out.shape)} and dtype {out.dtype} for one sample")
 
 
 # How ``clipped`` runs: eagerly, and under torch.compile too (see

@@ -21,16 +21,16 @@ second weight-gradient kernel.
 """
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .cost import chunked, ghost_is_cheaper, pair_norms_sq, sq_norms, transient_per_sample
-from .interceptor import NOT_HANDLED, batched, bind, physical
+from ..cost import chunked, ghost_is_cheaper, pair_norms_sq, sq_norms, transient_per_sample
+from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
+from ..tape import Param, Tape, tap, weight_for
 from .linear import shared_bias
-from .tape import Param, Tape, Use, tap, weight_for
 
 _CONV_ARGS = (("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
               (None, 1, 0, 1, 1))
@@ -57,8 +57,14 @@ def _padding(padding: Any, kernel: Tuple[int, ...], stride: Tuple[int, ...],
     return _ints(padding, len(kernel))
 
 
+@register
 @dataclass(eq=False)
 class ConvUse(Use):
+    """``F.conv1d/conv2d(x, W, b, ...)`` with ``W`` a parameter, at clipped_grad's level."""
+
+    functions = tuple(_CONV.values())
+    kind = "conv"
+
     weight: Param
     bias: Optional[Param]
     input: Tensor  # [B*N, C, *spatial]
@@ -134,39 +140,48 @@ class ConvUse(Use):
             b * self.groups, [False, True, False])
         return per_sample.view(b, -1)
 
-    def norms_sq(self) -> Tensor:
-        """Per-sample ``||weight gradient||^2``, the cheaper way, in chunks
-        (Note [Convolution norms], Note [Bounded transients])."""
-        w = self.weight.leaf
-        rows = self.images * math.prod(self.grad.shape[2:])
-        in_f, out_f = w[0].numel(), w.shape[0] // self.groups
-        budget = self.input.numel() + self.grad.numel()
-        if ghost_is_cheaper(rows, in_f, out_f):
-            per_sample = self.groups * (rows * in_f + transient_per_sample(rows, in_f, out_f))
-            return chunked(self.samples, per_sample, budget,
-                           lambda s: pair_norms_sq(self.patches(s), self.grads(s)))
-        if self.samples * w.numel() <= budget:
-            self.kept = self.grouped_grads(slice(0, self.samples))
-            return sq_norms(self.kept, 1)
-        return chunked(self.samples, w.numel(), budget,
-                       lambda s: sq_norms(self.grouped_grads(s), 1))
+    @classmethod
+    def factored(cls, uses: List[Use]) -> bool:
+        return len(uses) == 1  # several would need their patches concatenated
 
-    def clipped_sum(self, coef: Tensor, with_bias: bool,
+    @classmethod
+    def norms_sq(cls, uses: List[Use], bias: Optional[Param]) -> Tensor:
+        """Per-sample ``||weight gradient||^2`` (without the bias'), the cheaper
+        way, in chunks (Note [Convolution norms], Note [Bounded transients])."""
+        (use,) = uses
+        w = use.weight.leaf
+        rows = use.images * math.prod(use.grad.shape[2:])
+        in_f, out_f = w[0].numel(), w.shape[0] // use.groups
+        budget = use.input.numel() + use.grad.numel()
+        if ghost_is_cheaper(rows, in_f, out_f):
+            per_sample = use.groups * (rows * in_f + transient_per_sample(rows, in_f, out_f))
+            return chunked(use.samples, per_sample, budget,
+                           lambda s: pair_norms_sq(use.patches(s), use.grads(s)))
+        if use.samples * w.numel() <= budget:
+            use.kept = use.grouped_grads(slice(0, use.samples))
+            return sq_norms(use.kept, 1)
+        return chunked(use.samples, w.numel(), budget,
+                       lambda s: sq_norms(use.grouped_grads(s), 1))
+
+    @classmethod
+    def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
                     owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
         """``sum_i c_i`` (weight gradient of sample i), and its bias': from the
         kept per-sample gradients, or one weight-gradient kernel with c folded
         into the smaller of input and output gradient (the kernel is bilinear
         in them; scaling the larger would copy it: small_cnn's first conv has
         12x more output gradient than input); g in place when ``owned(g)``."""
-        w = self.weight.leaf.detach()
-        c = coef.to(self.grad.dtype)
-        x, g, per_sample = self.input, self.grad, (self.samples, -1)
-        fuse_bias = with_bias and self.kept is None and g.numel() <= x.numel()
+        (use,) = uses
+        w = use.weight.leaf.detach()
+        c = coef.to(use.grad.dtype)
+        x, g, per_sample = use.input, use.grad, (use.samples, -1)
+        with_bias = bias is not None
+        fuse_bias = with_bias and use.kept is None and g.numel() <= x.numel()
         grad_b = None
         if with_bias and not fuse_bias:  # sum_i c_i (its bias gradient): one GEMV
-            grad_b = torch.mv(self.per_sample_grad("bias").t(), c)
-        if self.kept is not None:
-            return torch.mv(self.kept.t(), c).view_as(w), grad_b
+            grad_b = torch.mv(use.per_sample_grad("bias").t(), c)
+        if use.kept is not None:
+            return torch.mv(use.kept.t(), c).view_as(w), grad_b
         if (fuse_bias or g.numel() <= x.numel()) and owned(g):
             g = g.view(per_sample).mul_(c.view(-1, 1)).view(g.shape)
         elif fuse_bias or g.numel() <= x.numel():
@@ -174,47 +189,47 @@ class ConvUse(Use):
         else:
             x = (x.reshape(per_sample) * c.view(-1, 1)).view(x.shape)
         _, grad_w, fused_b = torch.ops.aten.convolution_backward(
-            g, x, w, [w.shape[0]] if fuse_bias else None, self.stride, self.padding,
-            self.dilation, False, [0] * len(self.stride), self.groups, [False, True, fuse_bias])
+            g, x, w, [w.shape[0]] if fuse_bias else None, use.stride, use.padding,
+            use.dilation, False, [0] * len(use.stride), use.groups, [False, True, fuse_bias])
         return grad_w, fused_b if fuse_bias else grad_b
 
-
-def intercept_conv(tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """``F.conv1d/conv2d(x, W, b, ...)`` with ``W`` a parameter, at clipped_grad's level."""
-    bound = bind(*_CONV_ARGS, args, kwargs)
-    if bound is None:
-        return NOT_HANDLED
-    x, w, b, stride, padding, dilation, groups = bound
-    weight, bias = tape.param(w), tape.param(b)
-    a = physical(tape, x)
-    if weight is None or a is None or w.dim() - 2 not in _CONV or type(groups) is not int:
-        return NOT_HANDLED
-    dims = w.dim() - 2
-    stride, dilation = _ints(stride, dims), _ints(dilation, dims)
-    if stride is None or dilation is None:
-        return NOT_HANDLED
-    padding = _padding(padding, tuple(w.shape[2:]), stride, dilation)
-    per_sample_dims = a.dim() - 1
-    if per_sample_dims in (dims + 1, dims + 2) and a.shape[-dims - 1] != w.shape[1] * groups:
-        raise RuntimeError(
-            f"clipped_grad: conv{dims}d with weight {weight.name} of shape {tuple(w.shape)} and "
-            f"groups={groups} expects {w.shape[1] * groups} input channels; the input's per-sample "
-            f"shape {tuple(x.shape)} has {a.shape[-dims - 1]}")
-    if (padding is None or per_sample_dims not in (dims + 1, dims + 2) or groups < 1
-            or a.shape[-dims - 1] != w.shape[1] * groups or w.shape[0] % groups
-            or a.dtype != w.dtype or a.device != w.device):
-        return NOT_HANDLED
-    if bias is not None:
-        if b.shape != (w.shape[0],) or b.dtype != w.dtype:
+    @classmethod
+    def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        bound = bind(*_CONV_ARGS, args, kwargs)
+        if bound is None:
             return NOT_HANDLED
-    elif not shared_bias(tape, b):
-        return NOT_HANDLED
-    batch = a.shape[0]
-    folded = a.reshape(-1, *a.shape[-dims - 1:])  # B*N, C, *spatial
-    w_op = weight_for(w, folded.requires_grad or (b is not None and bias is None and b.requires_grad))
-    out = _CONV[dims](folded, w_op, b.detach() if bias is not None else b, stride, padding,
-                      dilation, groups)
-    use = ConvUse(weight, bias, folded, batch, stride, padding, dilation, groups, tap(out))
-    tape.record(use, (folded,), "convolution")
-    lead = a.shape[1:-dims - 1]  # (N,) or ()
-    return batched(tape, out.view(batch, *lead, *out.shape[1:]))
+        x, w, b, stride, padding, dilation, groups = bound
+        weight, bias = tape.param(w), tape.param(b)
+        a = physical(tape, x)
+        if weight is None or a is None or w.dim() - 2 not in _CONV or type(groups) is not int:
+            return NOT_HANDLED
+        dims = w.dim() - 2
+        stride, dilation = _ints(stride, dims), _ints(dilation, dims)
+        if stride is None or dilation is None:
+            return NOT_HANDLED
+        padding = _padding(padding, tuple(w.shape[2:]), stride, dilation)
+        per_sample_dims = a.dim() - 1
+        if per_sample_dims in (dims + 1, dims + 2) and a.shape[-dims - 1] != w.shape[1] * groups:
+            raise RuntimeError(
+                f"clipped_grad: conv{dims}d with weight {weight.name} of shape {tuple(w.shape)} "
+                f"and groups={groups} expects {w.shape[1] * groups} input channels; the input's "
+                f"per-sample shape {tuple(x.shape)} has {a.shape[-dims - 1]}")
+        if (padding is None or per_sample_dims not in (dims + 1, dims + 2) or groups < 1
+                or a.shape[-dims - 1] != w.shape[1] * groups or w.shape[0] % groups
+                or a.dtype != w.dtype or a.device != w.device):
+            return NOT_HANDLED
+        if bias is not None:
+            if b.shape != (w.shape[0],) or b.dtype != w.dtype:
+                return NOT_HANDLED
+        elif not shared_bias(tape, b):
+            return NOT_HANDLED
+        batch = a.shape[0]
+        folded = a.reshape(-1, *a.shape[-dims - 1:])  # B*N, C, *spatial
+        w_op = weight_for(w, folded.requires_grad
+                          or (b is not None and bias is None and b.requires_grad))
+        out = _CONV[dims](folded, w_op, b.detach() if bias is not None else b, stride, padding,
+                          dilation, groups)
+        use = cls(weight, bias, folded, batch, stride, padding, dilation, groups, tap(out))
+        tape.record(use, (folded,), "convolution")
+        lead = a.shape[1:-dims - 1]  # (N,) or ()
+        return batched(tape, out.view(batch, *lead, *out.shape[1:]))

@@ -1,0 +1,67 @@
+"""``torch.addmm(b, x, W)`` with ``W: [I, O]`` a parameter: a linear with the
+transposed weight, as transformers' GPT-2 ``Conv1D`` computes
+``torch.addmm(bias, x.view(-1, nx), weight)``.
+
+Sample i's weight gradient is ``a_i^T g_i``, the transpose of a linear's, so
+the norms are the linear's (linear.py); the clipped sum ``sum_i c_i a_i^T g_i``
+is one GEMM in the weight's layout, with c folded into g.
+"""
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
+from ..tape import Param, Tape, tap, weight_for
+from .linear import LinearUse, all_rows, shared_bias
+
+
+@register
+@dataclass(eq=False)
+class AddmmUse(LinearUse):
+    """``torch.addmm(b, x, W)`` (no beta, alpha) with ``W`` a parameter and a
+    2-D per-sample ``x``, at clipped_grad's level."""
+
+    functions = (torch.addmm,)
+    kind = "addmm"
+
+    def per_sample_grad(self, role: str) -> Tensor:
+        if role == "bias":
+            return super().per_sample_grad(role)
+        return torch.bmm(self.rows.transpose(1, 2), self.grad)  # B,I,T x B,T,O -> B,I,O
+
+    @classmethod
+    def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        bound = bind(("input", "mat1", "mat2"), (), args, kwargs)
+        if bound is None:
+            return NOT_HANDLED
+        b, x, w = bound
+        a = physical(tape, x)
+        weight, bias = tape.param(w), tape.param(b)
+        if (weight is None or a is None or w.dim() != 2 or a.dim() != 3
+                or a.shape[-1] != w.shape[0] or a.dtype != w.dtype or a.device != w.device):
+            return NOT_HANDLED
+        if bias is not None:
+            if b.shape != (w.shape[1],) or b.dtype != w.dtype:
+                return NOT_HANDLED
+        elif b is None or not shared_bias(tape, b):
+            return NOT_HANDLED
+        batch, rows = a.shape[0], a.shape[1]
+        flat = a.reshape(batch * rows, a.shape[-1])  # B*T, I
+        w_op = weight_for(w, flat.requires_grad or (bias is None and b.requires_grad))
+        out = torch.addmm(b.detach() if bias is not None else b, flat, w_op)
+        use = cls(weight, bias, flat.view(batch, rows, flat.shape[-1]), tap(out))
+        tape.record(use, (flat,), "addmm")
+        return batched(tape, out.view(batch, rows, w.shape[1]))
+
+    @classmethod
+    def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
+                    owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
+        """``sum_i c_i a_i^T g_i`` and the bias' ``sum_i c_i sum_t g_i,t``, c
+        folded into g (in place when ``owned(g)``)."""
+        a, g = all_rows(uses)
+        c = coef.to(g.dtype).view(-1, 1, 1)
+        g = g.mul_(c) if len(uses) > 1 or owned(g) else g * c
+        grad_w = torch.mm(a.flatten(0, 1).t(), g.flatten(0, 1))
+        return grad_w, g.sum((0, 1)) if bias is not None else None

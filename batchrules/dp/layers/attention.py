@@ -1,0 +1,96 @@
+"""Self-attention (nn.MultiheadAttention, hence nn.TransformerEncoderLayer) under clipped_grad.
+
+Note [Decomposing multi-head attention]
+``F.multi_head_attention_forward`` is one Python function to the mode: its
+in- and out-projections are linears the mode never sees, so the generic path
+would hand it per-sample copies of both projection weights ([B, 3E, E] and
+[B, E, E] gradients). For the configuration transformer layers use (self-
+attention with packed projections, no bias_k/bias_v/zero-attention, no
+dropout, no attention weights returned, an optional shared attn_mask or the
+causal hint, no key_padding_mask), this rule runs the same computation on
+physical tensors as two recorded linears around one
+``F.scaled_dot_product_attention`` over all B*N sequences, so the projections
+take the ghost/materialized choice of linear layers and the attention runs
+batched (functorch has no batching rule for the CPU flash-attention kernel;
+under vmap it would loop). Any other configuration takes the generic path.
+"""
+import inspect
+from typing import Any, Dict, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..._compat import batched_level
+from ..rule import NOT_HANDLED, Rule, batched, physical, register
+from ..tape import Tape
+from .linear import ghostable, recorded_linear
+
+_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+# Arguments outside the decomposed configuration unless None / False.
+_MUST_BE_NONE = ("bias_k", "bias_v", "static_k", "static_v", "key_padding_mask")
+_MUST_BE_FALSE = ("use_separate_proj_weight", "add_zero_attn", "need_weights")
+
+
+def _shared_mask(tape: Tape, mask: Any, dtype: torch.dtype) -> Any:
+    """A 2-D attn_mask shared by all samples as SDPA's additive float mask;
+    NOT_HANDLED for anything else."""
+    if (not isinstance(mask, torch.Tensor) or tape.param(mask) is not None
+            or batched_level(mask) != -1 or mask.dim() != 2):
+        return NOT_HANDLED
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+    return mask if mask.dtype == dtype else NOT_HANDLED
+
+
+@register
+class AttentionRule(Rule):
+    """Note [Decomposing multi-head attention]: records two linear uses."""
+
+    functions = (F.multi_head_attention_forward,)
+
+    @classmethod
+    def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        try:
+            bound = _SIGNATURE.bind(*args, **kwargs)
+        except TypeError:
+            return NOT_HANDLED
+        bound.apply_defaults()
+        p = bound.arguments
+        query, heads, embed = p["query"], p["num_heads"], p["embed_dim_to_check"]
+        if (query is not p["key"] or query is not p["value"]
+                or any(p[name] is not None for name in _MUST_BE_NONE)
+                or any(p[name] for name in _MUST_BE_FALSE)
+                or (p["training"] and p["dropout_p"] > 0) or type(heads) is not int
+                or type(embed) is not int or heads < 1 or embed % heads):
+            return NOT_HANDLED
+        x = physical(tape, query)
+        w_in, b_in, w_out, b_out = (p["in_proj_weight"], p["in_proj_bias"], p["out_proj_weight"],
+                                    p["out_proj_bias"])
+        if (x is None or x.dim() not in (3, 4) or x.shape[-1] != embed
+                or not ghostable(tape, x, w_in, b_in) or w_in.shape != (3 * embed, embed)
+                or not ghostable(tape, x, w_out, b_out) or w_out.shape != (embed, embed)):
+            return NOT_HANDLED
+        causal, mask = bool(p["is_causal"]), p["attn_mask"]
+        if causal:
+            if mask is None:
+                return NOT_HANDLED  # F.multi_head_attention_forward reports it
+            mask = None  # as there: the causal hint replaces the mask
+        elif mask is not None:
+            mask = _shared_mask(tape, mask, x.dtype)
+            if mask is NOT_HANDLED:
+                return NOT_HANDLED
+        unbatched = x.dim() == 3
+        if unbatched:
+            x = x.unsqueeze(2)
+        batch, length, n, _ = x.shape
+        head_dim = embed // heads
+        qkv = recorded_linear(tape, x.reshape(batch * length * n, embed), batch, w_in, b_in)
+        # B*L*N, 3E -> 3, B, N, H, L, hd -> (B*N, H, L, hd) each
+        qkv = qkv.view(batch, length, n, 3, heads, head_dim).permute(3, 0, 2, 4, 1, 5)
+        q, k, v = (t.reshape(batch * n, heads, length, head_dim) for t in qkv)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        # B*N, H, L, hd -> B, L, N, H, hd -> B*L*N, E (the rows in (L, N) order)
+        rows = attn.view(batch, n, heads, length, head_dim).permute(0, 3, 1, 2, 4)
+        rows = rows.reshape(-1, embed)
+        out = recorded_linear(tape, rows, batch, w_out, b_out).view(batch, length, n, embed)
+        return batched(tape, out.squeeze(2) if unbatched else out), None

@@ -1,0 +1,138 @@
+"""Embeddings (F.embedding) under clipped_grad.
+
+Sample i's gradient of an embedding table has one non-zero row per distinct
+index it looked up: the sum of the output gradients of that index's
+positions (divided by the index's count in the sample with
+``scale_grad_by_freq``; none for ``padding_idx``). So the norm needs no
+[V, D] table per sample: the rows are summed per (sample, index) pair
+(``torch.unique`` over ``sample * V + index``, then one ``index_add``), at
+most B*T rows of D, and squared; a table looked up by several calls
+concatenates their rows. The clipped sum is one
+``aten.embedding_dense_backward`` (the op's own gradient kernel) with c
+folded into g.
+"""
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..cost import sq_norms
+from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
+from ..tape import Param, Tape, tap, weight_for
+
+_EMBEDDING_ARGS = (("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
+                    "sparse"), (None, None, 2.0, False, False))
+
+
+@register
+@dataclass(eq=False)
+class EmbeddingUse(Use):
+    """``F.embedding(idx, W, ...)`` with ``W`` a parameter, at clipped_grad's level."""
+
+    functions = (F.embedding,)
+    kind = "embedding"
+
+    weight: Param
+    indices: Tensor  # [B, T]
+    padding_idx: Optional[int]  # in [0, V)
+    scale_grad_by_freq: bool
+    edge: Any
+    grad: Optional[Tensor] = None  # [B, T, D]
+
+    def roles(self) -> Dict[Param, str]:
+        return {self.weight: "weight"}
+
+    def set_grad(self, grad: Optional[Tensor]) -> None:
+        if grad is not None:
+            self.grad = grad.view(*self.indices.shape, grad.shape[-1])
+
+    def keys(self) -> Tuple[Tensor, Tensor]:
+        """Each position's (sample, index) key ``sample * V + index`` and the
+        rows' gradients, padding positions zeroed and frequencies applied."""
+        batch = self.indices.shape[0]
+        vocab = self.weight.leaf.shape[0]
+        sample = torch.arange(batch, device=self.indices.device).unsqueeze(1)
+        keys = (sample * vocab + self.indices).flatten()
+        g = self.grad.flatten(0, 1)
+        if self.scale_grad_by_freq:
+            _, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+            g = g / counts[inverse].unsqueeze(1).to(g.dtype)
+        if self.padding_idx is not None:
+            g = g * (self.indices.flatten() != self.padding_idx).unsqueeze(1).to(g.dtype)
+        return keys, g
+
+    def release(self) -> None:
+        self.grad = self.indices = None  # type: ignore[assignment]
+
+    def per_sample_grad(self, role: str) -> Tensor:
+        keys, g = self.keys()
+        batch = self.indices.shape[0]
+        vocab, dim = self.weight.leaf.shape
+        return g.new_zeros(batch * vocab, dim).index_add_(0, keys, g).view(batch, vocab, dim)
+
+    @classmethod
+    def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        bound = bind(*_EMBEDDING_ARGS, args, kwargs)
+        if bound is None:
+            return NOT_HANDLED
+        x, w, padding_idx, max_norm, _, scale_grad_by_freq, sparse = bound
+        weight = tape.param(w)
+        idx = physical(tape, x)
+        if weight is None:
+            return NOT_HANDLED
+        if max_norm is not None:
+            raise ValueError(
+                f"clipped_grad: F.embedding(max_norm={max_norm}) of {weight.name} rescales the "
+                "table in place during the forward, which a differentiated argument cannot be; "
+                "renormalize the table outside the loss instead")
+        if sparse:
+            raise ValueError(f"clipped_grad: F.embedding(sparse=True) of {weight.name}: clipped "
+                             "sums are dense; pass sparse=False")
+        if idx is None or w.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+            return NOT_HANDLED
+        vocab = w.shape[0]
+        if padding_idx is not None:
+            if not -vocab <= padding_idx < vocab:
+                return NOT_HANDLED  # F.embedding reports it
+            padding_idx = padding_idx % vocab
+        batch = idx.shape[0]
+        flat = idx.reshape(batch, math.prod(idx.shape[1:])).long()
+        out = F.embedding(flat.flatten(), weight_for(w, False))  # B*T, D: a fresh tensor
+        use = cls(weight, flat, padding_idx, bool(scale_grad_by_freq), tap(out))
+        tape.record(use, (flat,), "embedding")
+        return batched(tape, out.view(*idx.shape, w.shape[1]))
+
+    @classmethod
+    def factored(cls, uses: List[Use]) -> bool:
+        return True  # a table looked up by several calls: their rows concatenated
+
+    @classmethod
+    def norms_sq(cls, uses: List[Use], bias: Optional[Param]) -> Tensor:
+        """Per-sample squared norms: rows summed per (sample, index), squared, summed per sample."""
+        keys, g = _all_keys(uses)
+        unique, inverse = torch.unique(keys, return_inverse=True)
+        summed = g.new_zeros(unique.shape[0], g.shape[1]).index_add_(0, inverse, g)
+        per_row = sq_norms(summed, 1)
+        vocab = uses[0].weight.leaf.shape[0]  # type: ignore[attr-defined]
+        batch = uses[0].indices.shape[0]  # type: ignore[attr-defined]
+        return per_row.new_zeros(batch).index_add_(0, unique // vocab, per_row)
+
+    @classmethod
+    def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
+                    owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
+        """``sum_i c_i`` (table gradient of sample i) in one embedding_dense_backward."""
+        keys, g = _all_keys(uses)
+        vocab = uses[0].weight.leaf.shape[0]  # type: ignore[attr-defined]
+        c = coef.to(g.dtype)[keys // vocab].unsqueeze(1)
+        return torch.ops.aten.embedding_dense_backward(g * c, keys % vocab, vocab, -1, False), None
+
+
+def _all_keys(uses: List[Use]) -> Tuple[Tensor, Tensor]:
+    """Keys and rows of every use of one table (a sum over uses is a sum over their rows)."""
+    pairs = [u.keys() for u in uses]  # type: ignore[attr-defined]
+    if len(pairs) == 1:
+        return pairs[0]
+    return torch.cat([k for k, _ in pairs]), torch.cat([g for _, g in pairs])

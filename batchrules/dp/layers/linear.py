@@ -1,0 +1,154 @@
+"""Linear layers under clipped_grad: the forward rule, norms and clipped sums.
+
+Sample i's rows ``a_i: [T, I]`` (one row, or a sequence) and output gradients
+``g_i: [T, O]`` give its weight gradient ``g_i^T a_i`` and bias gradient
+``sum_t g_i,t``. The norms come from (a, g) without the [O, I] per-sample
+matrix where that is cheaper (cost.py); the clipped sum ``sum_i c_i g_i^T a_i``
+is one ``batchrules.linear_backward`` GEMM over all rows with c folded into g
+(or into a, when it is the narrower operand and no bias shares the call).
+"""
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..._compat import batched_level
+from ..cost import rows_norms_sq, sq_norms
+from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
+from ..tape import Param, Tape, tap, weight_for
+
+_LINEAR_ARGS = (("input", "weight", "bias"), (None,))
+_LINEAR_BACKWARD = torch.ops.batchrules.linear_backward.default
+
+
+@register
+@dataclass(eq=False)
+class LinearUse(Use):
+    """``F.linear(x, W, b)`` with ``W`` a parameter, at clipped_grad's level."""
+
+    # batchrules.linear under a mode takes its torch.ops entry
+    functions = (F.linear, torch.ops.batchrules.linear.default, torch.ops.batchrules.linear)
+    kind = "linear"
+    norms_include_bias = True
+
+    weight: Param
+    bias: Optional[Param]
+    rows: Tensor  # [B, T, I]
+    edge: Any
+    grad: Optional[Tensor] = None  # [B, T, O]
+
+    def roles(self) -> Dict[Param, str]:
+        return {self.weight: "weight", **({self.bias: "bias"} if self.bias is not None else {})}
+
+    def set_grad(self, grad: Optional[Tensor]) -> None:
+        if grad is not None:
+            self.grad = grad.view(self.rows.shape[0], self.rows.shape[1], grad.shape[-1])
+
+    def per_sample_grad(self, role: str) -> Tensor:
+        if role == "bias":
+            return self.grad.sum(1)
+        return torch.bmm(self.grad.transpose(1, 2), self.rows)  # B,O,T x B,T,I -> B,O,I
+
+    def release(self) -> None:
+        self.grad = self.rows = None  # type: ignore[assignment]
+
+    @classmethod
+    def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        bound = bind(*_LINEAR_ARGS, args, kwargs)
+        if bound is None:
+            return NOT_HANDLED
+        x, w, b = bound
+        a = physical(tape, x)
+        weight = tape.param(w)
+        if (weight is not None and a is not None and w.dim() == 2 and a.dim() >= 2
+                and a.shape[-1] != w.shape[1]):
+            raise RuntimeError(
+                f"clipped_grad: F.linear with weight {weight.name} of shape {tuple(w.shape)}: the "
+                f"input's per-sample shape {tuple(x.shape)} has {x.shape[-1]} features, expected "
+                f"{w.shape[1]}")
+        if not ghostable(tape, a, w, b):
+            return NOT_HANDLED
+        batch, lead = a.shape[0], a.shape[1:-1]
+        out = recorded_linear(tape, a.reshape(batch * math.prod(lead), a.shape[-1]), batch, w, b)
+        return batched(tape, out.view(batch, *lead, w.shape[0]))
+
+    @classmethod
+    def factored(cls, uses: List[Use]) -> bool:
+        return True  # Note [One parameter, several uses] in clipping.py: one linear over all rows
+
+    @classmethod
+    def norms_sq(cls, uses: List[Use], bias: Optional[Param]) -> Tensor:
+        """Per-sample squared gradient norms of the weight and ``bias``: with
+        one row, ``||g_i||^2 (||a_i||^2 + 1)``."""
+        a, g = all_rows(uses)
+        if a.shape[1] == 1:
+            g_sq, a_sq = sq_norms(g, (1, 2)), sq_norms(a, (1, 2))
+            return g_sq * (a_sq + 1) if bias is not None else g_sq * a_sq
+        squares = rows_norms_sq(a, g)
+        return squares + sq_norms(g.sum(1), 1) if bias is not None else squares
+
+    @classmethod
+    def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
+                    owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
+        """``sum_i c_i g_i^T a_i`` in one GEMM, c folded into the narrower of a and
+        g (into g in place when ``owned(g)``); the bias' ``sum_i c_i sum_t g_i,t``
+        in the same call when g is the one scaled, else one GEMV."""
+        w = uses[0].weight.leaf.detach()  # type: ignore[attr-defined]
+        a, g = all_rows(uses)
+        c = coef.to(g.dtype)
+        grad_b = None
+        if a.shape[-1] < g.shape[-1]:
+            if bias is not None:
+                grad_b = torch.mv(g.sum(1).t(), c)
+            a, with_bias = a * c.view(-1, 1, 1), False
+        else:
+            in_place = len(uses) > 1 or owned(g)  # several uses: g is a concatenated copy
+            g = g.mul_(c.view(-1, 1, 1)) if in_place else g * c.view(-1, 1, 1)
+            with_bias = bias is not None
+        _, grad_w, fused_b = _LINEAR_BACKWARD(a.reshape(-1, a.shape[-1]),
+                                              g.reshape(-1, g.shape[-1]), w,
+                                              [False, True, with_bias])
+        return grad_w, fused_b if with_bias else grad_b
+
+
+def all_rows(uses: List[Use]) -> Tuple[Tensor, Tensor]:
+    """All uses' rows ``[B, T, I]`` and gradients ``[B, T, O]`` (Note [One
+    parameter, several uses]: a sum over uses is a sum over their rows)."""
+    if len(uses) == 1:
+        return uses[0].rows, uses[0].grad  # type: ignore[attr-defined, return-value]
+    return (torch.cat([u.rows for u in uses], 1),  # type: ignore[attr-defined]
+            torch.cat([u.grad for u in uses], 1))  # type: ignore[misc]
+
+
+def shared_bias(tape: Tape, b: Any) -> bool:
+    """A bias the rule can pass through as is: absent, or a plain tensor shared by all samples."""
+    return b is None or (isinstance(b, Tensor) and tape.param(b) is None and batched_level(b) == -1)
+
+
+def ghostable(tape: Tape, a: Optional[Tensor], w: Any, b: Any) -> bool:
+    """Whether ``F.linear`` of the physical input ``a`` can run as a recorded
+    use: ``w`` a 2-D parameter matching ``a``, ``b`` a matching parameter or
+    a tensor shared by all samples (anything else takes the generic path,
+    whose op then reports mismatches in per-sample shapes)."""
+    if (a is None or tape.param(w) is None or w.dim() != 2 or a.dim() < 2
+            or a.shape[-1] != w.shape[1] or a.dtype != w.dtype or a.device != w.device):
+        return False
+    if tape.param(b) is not None:
+        return b.shape == (w.shape[0],) and b.dtype == w.dtype
+    return shared_bias(tape, b)
+
+
+def recorded_linear(tape: Tape, rows: Tensor, batch: int, w: Tensor, b: Optional[Tensor]) -> Tensor:
+    """``F.linear(rows, w, b)`` on physical rows ``[B*T, I]`` (``batch`` = B), recorded; returns
+    the fresh ``[B*T, O]`` output (Note [Tapping an output that may later
+    change in place]: callers hand the loss views of it)."""
+    weight, bias = tape.param(w), tape.param(b)
+    w_op = weight_for(w, rows.requires_grad or (b is not None and bias is None and b.requires_grad))
+    out = F.linear(rows, w_op, b.detach() if bias is not None else b)
+    per_sample = rows.shape[0] // batch if batch else 0
+    use = LinearUse(weight, bias, rows.view(batch, per_sample, rows.shape[-1]), tap(out))
+    tape.record(use, (rows,), "linear")
+    return out

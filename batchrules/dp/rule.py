@@ -1,0 +1,150 @@
+"""What a rule provides (the classes of ``dp/layers/``), and the helpers their
+``intercept`` uses.
+
+A ``Rule`` handles some torch functions when the loss calls them directly at
+clipped_grad's vmap level (interceptor.py). A layer rule is a ``Use``
+subclass: its ``intercept`` runs the call on physical tensors and records one
+instance, a use of its parameters, on the tape (tape.py); after the backward
+the class computes a weight's per-sample squared norms and clipped sum from
+its uses' recorded inputs and output gradients (clipping.py), or one use's
+per-sample gradient of a parameter when that is materialized. A rule without
+parameters of its own (a loss, or a composite that records other rules' uses)
+is a plain ``Rule``.
+"""
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
+
+from torch import Tensor
+from torch.autograd.graph import GradientEdge
+
+from .._compat import add_batch_dim, batched_level, unwrap_batched
+from .tape import Param, Tape
+
+# A rule's answer when it does not handle a call: the call then takes the
+# generic path (Note [Per-sample copies] in tape.py).
+NOT_HANDLED = object()
+
+
+class Rule:
+    """The torch functions a rule intercepts, and how."""
+
+    functions: ClassVar[Tuple[Callable, ...]]
+
+    @classmethod
+    def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """The call's result (batched at the tape's level), or NOT_HANDLED."""
+        raise NotImplementedError
+
+
+class Use(Rule):
+    """One intercepted call that used parameters through a detached copy.
+
+    ``edge`` is the autograd edge of the call's physical output (a tensor that
+    is not a view; see Note [Tapping an output that may later change in
+    place] in tape.py); after the backward, ``grad`` holds
+    ``d sum_i loss_i / d out``, reshaped by ``set_grad``, or None when the
+    output did not reach the loss.
+
+    The class methods take a weight's live uses, all of this class and in the
+    role "weight", and its fused bias: a parameter used in the role "bias" by
+    exactly those calls, or None (see clipping.py).
+    """
+
+    edge: GradientEdge
+    grad: Optional[Tensor]
+    # The weight's kind when ``factored`` takes its uses (clipping.py, tests).
+    kind: ClassVar[str]
+    # Whether ``norms_sq`` covers the fused bias too; if not, the bias' norm
+    # comes from its per-sample gradient.
+    norms_include_bias: ClassVar[bool] = False
+
+    def roles(self) -> Dict[Param, str]:
+        """The parameters of this use, each with its role ("weight" / "bias")."""
+        raise NotImplementedError
+
+    def set_grad(self, grad: Optional[Tensor]) -> None:
+        raise NotImplementedError
+
+    def per_sample_grad(self, role: str) -> Tensor:
+        """``[B, *param.shape]``: the per-sample gradient of one role's param
+        through this use (the materialized path)."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drops the recorded tensors once every parameter of the use is summed."""
+        raise NotImplementedError
+
+    @classmethod
+    def factored(cls, uses: List["Use"]) -> bool:
+        """Whether ``norms_sq`` and ``clipped_sum`` take these uses of a weight;
+        if not, its per-sample gradient is materialized."""
+        return False
+
+    @classmethod
+    def norms_sq(cls, uses: List["Use"], bias: Optional[Param]) -> Tensor:
+        """``[B]``: the weight's per-sample squared gradient norms (and its
+        fused bias' when ``norms_include_bias``)."""
+        raise NotImplementedError
+
+    @classmethod
+    def clipped_sum(cls, uses: List["Use"], coef: Tensor, bias: Optional[Param],
+                    owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
+        """``sum_i coef_i (gradient of sample i)`` for the weight and for
+        ``bias`` (None without one). ``owned(g)``: whether the recorded output
+        gradient ``g`` may be scaled in place (clipping.py)."""
+        raise NotImplementedError
+
+
+Intercept = Callable[[Tape, Tuple[Any, ...], Dict[str, Any]], Any]  # a Rule.intercept
+# Each intercepted torch function's rule: what the Interceptor looks calls up in.
+INTERCEPTS: Dict[Callable, Intercept] = {}
+R = TypeVar("R", bound=Type[Rule])
+
+
+def register(rule: R) -> R:
+    """Class decorator: ``rule`` intercepts its ``functions`` (its module is
+    imported in layers/__init__.py)."""
+    for f in rule.functions:
+        if f in INTERCEPTS:
+            raise ValueError(f"clipped_grad: two rules intercept {f}")
+        INTERCEPTS[f] = rule.intercept
+    return rule
+
+
+def bind(names: Sequence[str], defaults: Sequence[Any], args: Tuple[Any, ...],
+         kwargs: Dict[str, Any]) -> Optional[Tuple[Any, ...]]:
+    """The arguments of a call by position, ``defaults`` filling the trailing
+    ones; None when the call does not fit ``names`` (the op then reports it)."""
+    required = len(names) - len(defaults)
+    if len(args) > len(names) or any(k not in names for k in kwargs):
+        return None
+    values = list(args)
+    for i in range(len(args), len(names)):
+        if names[i] in kwargs:
+            values.append(kwargs[names[i]])
+        elif i >= required:
+            values.append(defaults[i - required])
+        else:
+            return None
+    if any(names[i] in kwargs for i in range(len(args))):
+        return None
+    return tuple(values)
+
+
+def physical(tape: Tape, x: Any) -> Optional[Tensor]:
+    """``x`` as a physical batch-first tensor ``[B, *per-sample shape]``: its
+    storage if it is batched at clipped_grad's level, an expansion (no copy)
+    if it is a plain tensor shared by all samples; None otherwise."""
+    if not isinstance(x, Tensor) or tape.param(x) is not None:
+        return None
+    level = batched_level(x)
+    if level == tape.level:
+        value, bdim = unwrap_batched(x, level)
+        return value.movedim(bdim, 0)
+    if level == -1:
+        return x.expand(tape.batch_size, *x.shape)
+    return None
+
+
+def batched(tape: Tape, value: Tensor) -> Tensor:
+    """A batch-first physical result, handed back to the loss as per-sample."""
+    return add_batch_dim(value, 0, tape.level)
