@@ -166,7 +166,7 @@ def test_embedding(routing, kinds, config) -> None:
     idx[:, :2] = idx[:, 2:4]  # repeated indices within a sample
     idx[0, 1] = 0
     check_model(Bag(**config), idx, torch.randint(7, (BATCH,)))
-    assert kinds["emb.weight"] == ("materialized" if config.get("tied") else "embedding")
+    assert kinds["emb.weight"] == ("tied" if config.get("tied") else "embedding")
     assert kinds["norm.weight"] == "materialized"
 
 
@@ -283,7 +283,7 @@ def test_addmm_conv1d(routing, kinds, rows: int, width: int) -> None:
 
 def test_addmm_weight_used_twice_and_by_a_linear(routing, kinds) -> None:
     """Two addmm uses: one product over the concatenated rows; an addmm and a
-    linear use of one weight: materialized."""
+    linear use of one weight: tied (test_dp_tied.py)."""
     class Twice(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -297,4 +297,4 @@ def test_addmm_weight_used_twice_and_by_a_linear(routing, kinds) -> None:
 
     torch.manual_seed(0)
     check_model(Twice(), *data(3, 5), loss_fn=seq_loss)
-    assert kinds == {"c.weight": "addmm", "c.bias": "bias", "w": "materialized"}
+    assert kinds == {"c.weight": "addmm", "c.bias": "bias", "w": "tied"}

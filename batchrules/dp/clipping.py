@@ -5,43 +5,67 @@ reached the loss):
   kind          uses                                 norms / clipped sum
   a rule's      only weight uses of one layer rule   the rule's norms_sq /
   (its kind)    (rule.py), which ``factored`` takes  clipped_sum
+  tied          weight uses of several rules (or     each part's, and cross
+                calls), each part offering factors   terms (Note [One
+                                                     parameter, several uses])
   bias          only bias uses                       [B, *shape] per-sample
                                                      gradients / one GEMV
   materialized  anything else: a per-sample copy     [B, *shape] per-sample
                 (tape.py), a weight the rule does    gradients / one GEMV
-                not factor, or uses of several kinds
-                (Note [One parameter, several uses])
+                not factor, or parts without factors
   zero          no use reached the loss              zeros
 A bias used by exactly the calls of its weight (its fused bias) is summed
 with it, and its norm is the weight rule's when ``norms_include_bias``.
 """
 from collections import Counter
+from itertools import combinations
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .cost import sq_norms
+from .cost import cross_inner, sq_norms
 from .rule import Use
 from .tape import Param, zeros_grad
 
 # Added to the norm before dividing, as Opacus does: c_i = min(1, C / (||g_i|| + EPS)).
 EPS = 1e-6
 
-# The kinds clipped from per-sample gradients; any kind but these and "zero"
-# is a layer rule's (Use.kind).
+# The kinds clipped from per-sample gradients; any kind but these, "zero" and
+# "tied" is a layer rule's (Use.kind).
 _PER_SAMPLE = ("bias", "materialized")
+_NOT_RULE_KINDS = (*_PER_SAMPLE, "zero", "tied")
 
 
 # Note [One parameter, several uses]
 # A parameter used by several calls (weights tied across layers, a layer
 # applied twice) has as per-sample gradient the sum over its uses. A rule
 # whose ``factored`` takes them all treats them as one use (a linear's: one
-# linear over the concatenated rows). A parameter whose uses are of different
-# kinds (a linear and an embedding, or a linear and a per-sample copy) takes
+# linear over the concatenated rows). Otherwise its weight uses split into
+# parts (a rule's uses that ``factored`` takes together, or single calls),
+# and if every part offers factors the parameter is "tied": its norm is each
+# part's own plus the cross terms (Note [Cross terms of tied parameters] in
+# cost.py), its clipped sum the parts' clipped sums added. Anything else (a
+# per-sample copy, a bias role among the uses, a part without factors) takes
 # the materialized path: each use's per-sample gradient [B, *shape], summed.
 def _live(param: Param) -> List[Use]:
     return [u for u in param.uses if u.grad is not None]
+
+
+def _parts(uses: List[Use]) -> Optional[List[List[Use]]]:
+    """Weight uses grouped as their rules take them; None if some use is not taken."""
+    by_rule: Dict[type, List[Use]] = {}
+    for u in uses:
+        by_rule.setdefault(type(u), []).append(u)
+    parts: List[List[Use]] = []
+    for rule, own in by_rule.items():
+        if rule.factored(own):
+            parts.append(own)
+        elif all(rule.factored([u]) for u in own):
+            parts += [[u] for u in own]
+        else:
+            return None
+    return parts
 
 
 def kind(param: Param) -> str:
@@ -50,13 +74,16 @@ def kind(param: Param) -> str:
         return "materialized"
     if not live:
         return "zero"
-    roles = {(type(u), u.roles()[param]) for u in live}
-    if all(role == "bias" for _, role in roles):
+    roles = {u.roles()[param] for u in live}
+    if roles == {"bias"}:
         return "bias"
-    if len(roles) == 1:
-        ((rule, role),) = roles
-        if role == "weight" and rule.factored(live):
-            return rule.kind
+    parts = _parts(live) if roles == {"weight"} else None
+    if parts is None:
+        return "materialized"
+    if len(parts) == 1:
+        return type(parts[0][0]).kind
+    if all(type(part[0]).factors(part) is not None for part in parts):
+        return "tied"
     return "materialized"
 
 
@@ -91,6 +118,8 @@ def _norms(params: List[Param], kinds: Dict[Param, str], fused: Dict[Param, Para
             if p not in in_weight_norm:
                 per_sample[p] = per_sample_grad(p, batch)
                 squares.append(sq_norms(per_sample[p].flatten(1), 1))
+        elif k == "tied":
+            squares.append(_tied_norms_sq(p))
         elif k != "zero":
             uses = _live(p)
             squares.append(type(uses[0]).norms_sq(uses, fused.get(p)))
@@ -103,6 +132,18 @@ def _norms(params: List[Param], kinds: Dict[Param, str], fused: Dict[Param, Para
     return total.sqrt()
 
 
+def _tied_norms_sq(p: Param) -> Tensor:
+    """Each part's squared norms, plus twice the cross terms of each pair of parts."""
+    parts = _parts(_live(p))
+    total = type(parts[0][0]).norms_sq(parts[0], None)
+    for part in parts[1:]:
+        total = total + type(part[0]).norms_sq(part, None)
+    factors = [type(part[0]).factors(part) for part in parts]
+    for a, b in combinations(factors, 2):
+        total = total + 2 * cross_inner(a, b)
+    return total
+
+
 def _clipped_sum(p: Param, k: str, coef: Tensor, fused: Dict[Param, Param],
                  per_sample: Dict[Param, Tensor],
                  owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
@@ -112,6 +153,12 @@ def _clipped_sum(p: Param, k: str, coef: Tensor, fused: Dict[Param, Param],
         return torch.tensordot(coef.to(g.dtype), g, dims=1), None
     if k == "zero":
         return torch.zeros_like(p.leaf), None
+    if k == "tied":  # additive over the parts (their biases, if any, are of kind "bias")
+        parts = _parts(_live(p))
+        total = type(parts[0][0]).clipped_sum(parts[0], coef, None, owned)[0]
+        for part in parts[1:]:
+            total = total + type(part[0]).clipped_sum(part, coef, None, owned)[0]
+        return total, None
     uses = _live(p)
     return type(uses[0]).clipped_sum(uses, coef, fused.get(p), owned)
 
@@ -132,7 +179,7 @@ def clip(params: List[Param], batch: int, max_norm: float) -> Tuple[List[Tensor]
         device = params[0].leaf.device if params else None
         return [torch.zeros_like(p.leaf) for p in params], torch.zeros(0, dtype=dtype, device=device)
     kinds = {p: kind(p) for p in params}
-    fused = {p: b for p in params if kinds[p] not in (*_PER_SAMPLE, "zero")
+    fused = {p: b for p in params if kinds[p] not in _NOT_RULE_KINDS
              for b in [_fused_bias(p, kinds)] if b is not None}
     per_sample: Dict[Param, Tensor] = {}
     norms = _norms(params, kinds, fused, per_sample, batch)

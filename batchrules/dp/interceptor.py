@@ -73,7 +73,8 @@ class Interceptor(TorchFunctionMode):
         if isinstance(item, Tensor):
             param = self.tape.param(item)
             return item if param is None else self.tape.per_sample_copy(param)
-        if isinstance(item, (list, tuple)):
+        if isinstance(item, (list, tuple)) and self._holds_param(item):
             values = [self._substitute(i) for i in item]
-            return type(item)(values) if type(item) in (list, tuple) else type(item)(*values)
+            # A namedtuple takes its fields as arguments; list, tuple and torch.Size an iterable.
+            return type(item)(*values) if hasattr(item, "_fields") else type(item)(values)
         return item

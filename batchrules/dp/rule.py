@@ -11,8 +11,10 @@ per-sample gradient of a parameter when that is materialized. A rule without
 parameters of its own (a loss, or a composite that records other rules' uses)
 is a plain ``Rule``.
 """
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
+import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
@@ -33,6 +35,35 @@ class Rule:
     def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """The call's result (batched at the tape's level), or NOT_HANDLED."""
         raise NotImplementedError
+
+
+@dataclass
+class Factors:
+    """A weight's per-sample gradient through some uses as a sum of outer
+    products, ``G_i = sum_t u_i,t (x) v_i,t`` in the weight's layout viewed as
+    ``[P, Q]`` (Note [Cross terms of tied parameters] in cost.py)."""
+
+    batch: int  # B
+    rows: int  # T
+    p: int
+    q: int
+    indexed: bool  # u_i,t = one-hot(k_i,t): ``at`` gives the indices k
+    # A slice of samples' u ([b, T, P], or [b, T] indices) and v ([b, T, Q]).
+    at: Callable[[slice], Tuple[Tensor, Tensor]]
+    copies: int = 0  # elements per sample that ``at`` allocates
+
+    @staticmethod
+    def of_rows(us: List[Tensor], vs: List[Tensor]) -> "Factors":
+        """From each use's dense rows ``[B, T_k, P]`` and ``[B, T_k, Q]``."""
+        rows, p, q = sum(u.shape[1] for u in us), us[0].shape[-1], vs[0].shape[-1]
+        return Factors(us[0].shape[0], rows, p, q, False,
+                       lambda s: (cat_rows([u[s] for u in us]), cat_rows([v[s] for v in vs])),
+                       rows * (p + q) if len(us) > 1 else 0)
+
+
+def cat_rows(parts: List[Tensor]) -> Tensor:
+    """Several uses' ``[b, T_k, ...]`` rows as one use's (no copy for one)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 class Use(Rule):
@@ -78,6 +109,13 @@ class Use(Rule):
         """Whether ``norms_sq`` and ``clipped_sum`` take these uses of a weight;
         if not, its per-sample gradient is materialized."""
         return False
+
+    @classmethod
+    def factors(cls, uses: List["Use"]) -> Optional[Factors]:
+        """These uses' part of the weight's per-sample gradient, as factors,
+        for a weight also used by other classes or calls (clipping.py); None:
+        not offered (the weight's per-sample gradient is then materialized)."""
+        return None
 
     @classmethod
     def norms_sq(cls, uses: List["Use"], bias: Optional[Param]) -> Tensor:

@@ -32,7 +32,9 @@ from torch.func import vmap
 from torch.utils._pytree import (keystr, tree_flatten, tree_flatten_with_path, tree_map,
                                  tree_unflatten)
 
+from .. import routing
 from .._compat import batched_level, current_transform_level, unwrap_batched
+from ..compile import eager_under_compile
 from .clipping import clip
 from .interceptor import Interceptor
 from .layers import INTERCEPTS
@@ -92,7 +94,7 @@ def clipped_grad(loss: Callable[..., Any], max_norm: float, *, in_dims: Any = No
 
     @functools.wraps(loss)
     def clipped(*args: Any) -> Any:
-        return _run(loss, float(max_norm), in_dims, argnums, has_aux, randomness, args)
+        return _clipped_grad(loss, float(max_norm), in_dims, argnums, has_aux, randomness, args)
 
     return clipped
 
@@ -113,6 +115,7 @@ def _check_argnums(argnums: Any) -> None:
         raise ValueError(f"clipped_grad: argnums must not repeat, got {argnums}")
 
 
+@eager_under_compile  # torch.compile does not trace it: it runs eagerly between graphs
 def _clipped_grad(loss: Callable[..., Any], max_norm: float, in_dims: Any, argnums: ArgNums,
                   has_aux: bool, randomness: str, args: Tuple[Any, ...]) -> Any:
     """One step: the forward under vmap, the one backward, the clipping."""
@@ -123,7 +126,9 @@ def _clipped_grad(loss: Callable[..., Any], max_norm: float, in_dims: Any, argnu
     dims = _in_dims(in_dims, positions, len(args))
     params, specs = _params(args, positions)
     differentiated = dict(zip(positions, _trees([p.leaf for p in params], specs)))
-    with torch.enable_grad():
+    # The project's routed ops (attention, losses, ...) take their batching
+    # rules in the forward whatever the user's routing; restored on exit.
+    with torch.enable_grad(), routing.enabled():
         losses, aux, tape = _forward(loss, has_aux, randomness, args, dims, params, differentiated)
         _backward(losses, tape, params)
     with torch.no_grad():
@@ -280,17 +285,3 @@ def _check_loss(out: Any, has_aux: bool) -> None:
     if out.dim() != 0 or not out.is_floating_point():
         raise ValueError(f"clipped_grad: the loss must return a floating-point scalar per sample; "
                          f"got shape {tuple(out.shape)} and dtype {out.dtype} for one sample")
-
-
-# How ``clipped`` runs: eagerly, and under torch.compile too (see
-# register_compile_fallback).
-_run = _clipped_grad
-
-
-def register_compile_fallback(dynamo: Any) -> None:
-    """torch.compile does not trace clipped_grad (its TorchFunctionMode, its
-    own vmap levels and autograd.grad): a compiled function calling it breaks
-    the graph there and runs it eagerly. Registered once ``torch._dynamo`` is
-    imported (Note [Registering with optional torch subsystems lazily])."""
-    global _run
-    _run = dynamo.disable(_clipped_grad)

@@ -1,8 +1,9 @@
 """The rules clipped_grad intercepts calls with, one file each, registered by
 ``@register`` (the contract: rule.py): the layers whose per-sample norms come
-from (input, output gradient), and the loss (Note [Losses on physical
-tensors])."""
+from (input, output gradient), the loss (Note [Losses on physical
+tensors]), and the calls refused with a clear error (refused.py)."""
 from ..rule import INTERCEPTS
-from . import addmm, attention, conv, cross_entropy, embedding, layer_norm, linear  # noqa: F401
+from . import (addmm, attention, conv, cross_entropy, embedding, layer_norm,  # noqa: F401
+               linear, refused)
 
 __all__ = ["INTERCEPTS"]

@@ -12,9 +12,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
+from ..rule import NOT_HANDLED, Factors, Use, batched, bind, physical, register
 from ..tape import Param, Tape, tap, weight_for
-from .linear import LinearUse, all_rows, shared_bias
+from .linear import LinearUse, all_rows, shared_bias, writable
 
 
 @register
@@ -59,9 +59,15 @@ class AddmmUse(LinearUse):
     def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
                     owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
         """``sum_i c_i a_i^T g_i`` and the bias' ``sum_i c_i sum_t g_i,t``, c
-        folded into g (in place when ``owned(g)``)."""
+        folded into g (in place when ``writable``)."""
         a, g = all_rows(uses)
         c = coef.to(g.dtype).view(-1, 1, 1)
-        g = g.mul_(c) if len(uses) > 1 or owned(g) else g * c
+        g = g.mul_(c) if len(uses) > 1 or writable(g, owned) else g * c
         grad_w = torch.mm(a.flatten(0, 1).t(), g.flatten(0, 1))
         return grad_w, g.sum((0, 1)) if bias is not None else None
+
+    @classmethod
+    def factors(cls, uses: List[Use]) -> Factors:
+        """In the layout ``[I, O]``: u = input rows, v = output gradient rows."""
+        rows, grads = [u.rows for u in uses], [u.grad for u in uses]  # type: ignore[attr-defined]
+        return Factors.of_rows(rows, grads)  # type: ignore[arg-type]

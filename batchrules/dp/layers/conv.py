@@ -29,8 +29,9 @@ from torch import Tensor
 
 from ..cost import chunked, ghost_is_cheaper, pair_norms_sq, sq_norms, transient_per_sample
 from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
+from ..rule import Factors
 from ..tape import Param, Tape, tap, weight_for
-from .linear import shared_bias
+from .linear import shared_bias, writable
 
 _CONV_ARGS = (("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
               (None, 1, 0, 1, 1))
@@ -138,7 +139,7 @@ class ConvUse(Use):
         _, per_sample, _ = torch.ops.aten.convolution_backward(
             g, x, weight, None, self.stride, self.padding, self.dilation, False, [0] * dims,
             b * self.groups, [False, True, False])
-        return per_sample.view(b, -1)
+        return per_sample.reshape(b, -1)  # channels-last (a copy here) for a channels-last input
 
     @classmethod
     def factored(cls, uses: List[Use]) -> bool:
@@ -170,11 +171,11 @@ class ConvUse(Use):
         kept per-sample gradients, or one weight-gradient kernel with c folded
         into the smaller of input and output gradient (the kernel is bilinear
         in them; scaling the larger would copy it: small_cnn's first conv has
-        12x more output gradient than input); g in place when ``owned(g)``."""
+        12x more output gradient than input); g in place when ``writable`` (linear.py)."""
         (use,) = uses
         w = use.weight.leaf.detach()
         c = coef.to(use.grad.dtype)
-        x, g, per_sample = use.input, use.grad, (use.samples, -1)
+        x, g = use.input, use.grad
         with_bias = bias is not None
         fuse_bias = with_bias and use.kept is None and g.numel() <= x.numel()
         grad_b = None
@@ -182,16 +183,29 @@ class ConvUse(Use):
             grad_b = torch.mv(use.per_sample_grad("bias").t(), c)
         if use.kept is not None:
             return torch.mv(use.kept.t(), c).view_as(w), grad_b
-        if (fuse_bias or g.numel() <= x.numel()) and owned(g):
-            g = g.view(per_sample).mul_(c.view(-1, 1)).view(g.shape)
-        elif fuse_bias or g.numel() <= x.numel():
-            g = (g.reshape(per_sample) * c.view(-1, 1)).view(g.shape)
+        # [B*N, ...] -> [B, N, ...] splits a dim, a view whatever the strides
+        # (a ViT's patch embedding hands back a transposed output gradient).
+        scale = c.view(-1, *[1] * g.dim())
+        if fuse_bias or g.numel() <= x.numel():
+            g_s = g.unflatten(0, (use.samples, -1))
+            g = (g_s.mul_(scale) if writable(g, owned) else g_s * scale).flatten(0, 1)
         else:
-            x = (x.reshape(per_sample) * c.view(-1, 1)).view(x.shape)
+            x = (x.unflatten(0, (use.samples, -1)) * scale).flatten(0, 1)
         _, grad_w, fused_b = torch.ops.aten.convolution_backward(
             g, x, w, [w.shape[0]] if fuse_bias else None, use.stride, use.padding,
             use.dilation, False, [0] * len(use.stride), use.groups, [False, True, fuse_bias])
         return grad_w, fused_b if fuse_bias else grad_b
+
+    @classmethod
+    def factors(cls, uses: List[Use]) -> Optional[Factors]:
+        """In the layout ``[O, C*k]``: u = output gradient rows, v = unfolded
+        patches (computed per chunk); one group only (groups would make u block-sparse)."""
+        (use,) = uses
+        if use.groups != 1:
+            return None
+        rows, w = use.images * math.prod(use.grad.shape[2:]), use.weight.leaf
+        return Factors(use.samples, rows, w.shape[0], w[0].numel(), False,
+                       lambda s: (use.grads(s)[:, 0], use.patches(s)[:, 0]), rows * w[0].numel())
 
     @classmethod
     def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -232,4 +246,6 @@ class ConvUse(Use):
         use = cls(weight, bias, folded, batch, stride, padding, dilation, groups, tap(out))
         tape.record(use, (folded,), "convolution")
         lead = a.shape[1:-dims - 1]  # (N,) or ()
+        if lead:  # per-sample [N, O, *spatial]: vmap cannot query a channels-last layout there
+            out = out.contiguous()
         return batched(tape, out.view(batch, *lead, *out.shape[1:]))

@@ -9,7 +9,8 @@ positions (divided by the index's count in the sample with
 most B*T rows of D, and squared; a table looked up by several calls
 concatenates their rows. The clipped sum is one
 ``aten.embedding_dense_backward`` (the op's own gradient kernel) with c
-folded into g.
+folded into g. For a table also used by another rule (GPT-2's tied lm_head),
+``factors`` gives u as the indices (Note [Cross terms of tied parameters]).
 """
 import math
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..cost import sq_norms
-from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
+from ..rule import NOT_HANDLED, Factors, Use, batched, bind, physical, cat_rows, register
 from ..tape import Param, Tape, tap, weight_for
 
 _EMBEDDING_ARGS = (("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
@@ -49,20 +50,25 @@ class EmbeddingUse(Use):
         if grad is not None:
             self.grad = grad.view(*self.indices.shape, grad.shape[-1])
 
-    def keys(self) -> Tuple[Tensor, Tensor]:
-        """Each position's (sample, index) key ``sample * V + index`` and the
-        rows' gradients, padding positions zeroed and frequencies applied."""
-        batch = self.indices.shape[0]
-        vocab = self.weight.leaf.shape[0]
-        sample = torch.arange(batch, device=self.indices.device).unsqueeze(1)
-        keys = (sample * vocab + self.indices).flatten()
-        g = self.grad.flatten(0, 1)
+    def scaled(self, s: slice) -> Tuple[Tensor, Tensor]:
+        """Slice ``s``'s indices ``[b, T]`` and row gradients ``[b, T, D]``,
+        padding positions zeroed and frequencies (within a sample) applied."""
+        idx, g = self.indices[s], self.grad[s]
         if self.scale_grad_by_freq:
+            sample = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1)
+            keys = sample * self.weight.leaf.shape[0] + idx
             _, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
-            g = g / counts[inverse].unsqueeze(1).to(g.dtype)
+            g = g / counts[inverse].unsqueeze(-1).to(g.dtype)
         if self.padding_idx is not None:
-            g = g * (self.indices.flatten() != self.padding_idx).unsqueeze(1).to(g.dtype)
-        return keys, g
+            g = g * (idx != self.padding_idx).unsqueeze(-1).to(g.dtype)
+        return idx, g
+
+    def keys(self) -> Tuple[Tensor, Tensor]:
+        """Each position's (sample, index) key ``sample * V + index`` and its
+        row's gradient (``scaled``)."""
+        idx, g = self.scaled(slice(0, self.indices.shape[0]))
+        sample = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1)
+        return (sample * self.weight.leaf.shape[0] + idx).flatten(), g.flatten(0, 1)
 
     def release(self) -> None:
         self.grad = self.indices = None  # type: ignore[assignment]
@@ -128,6 +134,20 @@ class EmbeddingUse(Use):
         vocab = uses[0].weight.leaf.shape[0]  # type: ignore[attr-defined]
         c = coef.to(g.dtype)[keys // vocab].unsqueeze(1)
         return torch.ops.aten.embedding_dense_backward(g * c, keys % vocab, vocab, -1, False), None
+
+    @classmethod
+    def factors(cls, uses: List[Use]) -> Factors:
+        """In the layout ``[V, D]``: u = one-hot of the index (given as the
+        indices), v = the row's gradient (``scaled``: at most a copy per chunk)."""
+        vocab, dim = uses[0].weight.leaf.shape  # type: ignore[attr-defined]
+        shapes = [u.indices.shape for u in uses]  # type: ignore[attr-defined]
+        batch, rows = shapes[0][0], sum(shape[1] for shape in shapes)
+
+        def at(s: slice) -> Tuple[Tensor, Tensor]:
+            parts = [u.scaled(s) for u in uses]  # type: ignore[attr-defined]
+            return cat_rows([i for i, _ in parts]), cat_rows([g for _, g in parts])
+
+        return Factors(batch, rows, vocab, dim, True, at, rows * dim)
 
 
 def _all_keys(uses: List[Use]) -> Tuple[Tensor, Tensor]:

@@ -42,7 +42,9 @@ class LayerNormUse(Use):
 
     def set_grad(self, grad: Optional[Tensor]) -> None:
         if grad is not None:
-            self.grad = grad.view(self.normalized.shape)
+            # [B, *lead, *shape] -> [B, T, *shape]: merges the leading dims, a
+            # copy when they are not contiguous (a pre-norm residual's gradient).
+            self.grad = grad.reshape(self.normalized.shape)
 
     def per_sample_grad(self, role: str) -> Tensor:
         if role == "bias":

@@ -18,6 +18,7 @@ from torch import Tensor
 from ..._compat import batched_level
 from ..cost import rows_norms_sq, sq_norms
 from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
+from ..rule import Factors
 from ..tape import Param, Tape, tap, weight_for
 
 _LINEAR_ARGS = (("input", "weight", "bias"), (None,))
@@ -94,7 +95,7 @@ class LinearUse(Use):
     def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
                     owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
         """``sum_i c_i g_i^T a_i`` in one GEMM, c folded into the narrower of a and
-        g (into g in place when ``owned(g)``); the bias' ``sum_i c_i sum_t g_i,t``
+        g (into g in place when ``writable``); the bias' ``sum_i c_i sum_t g_i,t``
         in the same call when g is the one scaled, else one GEMV."""
         w = uses[0].weight.leaf.detach()  # type: ignore[attr-defined]
         a, g = all_rows(uses)
@@ -105,13 +106,19 @@ class LinearUse(Use):
                 grad_b = torch.mv(g.sum(1).t(), c)
             a, with_bias = a * c.view(-1, 1, 1), False
         else:
-            in_place = len(uses) > 1 or owned(g)  # several uses: g is a concatenated copy
+            in_place = len(uses) > 1 or writable(g, owned)  # several uses: g is a concatenated copy
             g = g.mul_(c.view(-1, 1, 1)) if in_place else g * c.view(-1, 1, 1)
             with_bias = bias is not None
         _, grad_w, fused_b = _LINEAR_BACKWARD(a.reshape(-1, a.shape[-1]),
                                               g.reshape(-1, g.shape[-1]), w,
                                               [False, True, with_bias])
         return grad_w, fused_b if with_bias else grad_b
+
+    @classmethod
+    def factors(cls, uses: List[Use]) -> Factors:
+        """In the layout ``[O, I]``: u = output gradient rows, v = input rows."""
+        rows, grads = [u.rows for u in uses], [u.grad for u in uses]  # type: ignore[attr-defined]
+        return Factors.of_rows(grads, rows)  # type: ignore[arg-type]
 
 
 def all_rows(uses: List[Use]) -> Tuple[Tensor, Tensor]:
@@ -121,6 +128,13 @@ def all_rows(uses: List[Use]) -> Tuple[Tensor, Tensor]:
         return uses[0].rows, uses[0].grad  # type: ignore[attr-defined, return-value]
     return (torch.cat([u.rows for u in uses], 1),  # type: ignore[attr-defined]
             torch.cat([u.grad for u in uses], 1))  # type: ignore[misc]
+
+
+def writable(g: Tensor, owned: Callable[[Tensor], bool]) -> bool:
+    """Whether a recorded output gradient may be scaled in place: ``owned`` by
+    its use, and no two of its elements sharing memory (the gradient of
+    ``out.sum()`` is an expanded, stride-0 tensor)."""
+    return owned(g) and torch._debug_has_internal_overlap(g) == 0  # 0: no overlap
 
 
 def shared_bias(tape: Tape, b: Any) -> bool:

@@ -1,0 +1,72 @@
+"""Calls clipped_grad refuses, before they run, with an error naming the call
+and its parameters (vmap's own errors there name neither).
+"""
+from typing import Any, ClassVar, Dict, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten
+
+from ..._compat import batched_level
+from ..rule import NOT_HANDLED, Rule, bind, register
+from ..tape import Tape
+
+_BATCH_NORM_ARGS = (("input", "running_mean", "running_var", "weight", "bias", "training",
+                     "momentum", "eps"), (None, None, False, 0.1, 1e-5))
+_RECURRENT = {torch.lstm: "nn.LSTM", torch.gru: "nn.GRU", torch.rnn_tanh: "nn.RNN",
+              torch.rnn_relu: "nn.RNN"}
+
+
+def _params(tape: Tape, items: Any) -> str:
+    names = [p.name for t in tree_flatten(items)[0] for p in [tape.param(t)] if p is not None]
+    return ", ".join(names)
+
+
+@register
+class BatchNormTrainingRule(Rule):
+    """``F.batch_norm(training=True)`` with running statistics on per-sample
+    inputs: its statistics and their update mix the samples of the batch. The
+    running statistics stay untouched (nn.BatchNorm has already counted the
+    batch in ``num_batches_tracked``, as under vmap(grad))."""
+
+    functions = (F.batch_norm,)
+
+    @classmethod
+    def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        bound = bind(*_BATCH_NORM_ARGS, args, kwargs)
+        if bound is None:
+            return NOT_HANDLED
+        x, mean, var, w, b, training = bound[:6]
+        params = _params(tape, (w, b))
+        if not training or (mean is None and var is None) or not (
+                params or (isinstance(x, torch.Tensor) and batched_level(x) == tape.level)):
+            return NOT_HANDLED  # eval mode, or per-sample statistics only: vmap runs it
+        raise RuntimeError(
+            f"clipped_grad: a BatchNorm in training mode (F.batch_norm with running statistics"
+            f"{', parameters ' + params if params else ''}) on per-sample input of shape "
+            f"{tuple(x.shape)}: its statistics mix the samples of a batch, so per-sample "
+            "gradients are not defined, and its running statistics would be updated per sample. "
+            "Call model.eval(), use GroupNorm or LayerNorm, or track_running_stats=False")
+
+
+class RecurrentRule(Rule):
+    """A recurrent layer's fused kernel with parameters (one subclass per
+    kernel, below): recurrent layers have no rule yet, and vmap has no
+    batching rule for these kernels."""
+
+    module: ClassVar[str]
+
+    @classmethod
+    def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        params = _params(tape, (args, kwargs))
+        if not params:
+            return NOT_HANDLED
+        raise RuntimeError(
+            f"clipped_grad: {cls.module} (torch.{cls.functions[0].__name__}) with parameters "
+            f"{params}: recurrent layers are not supported yet (vmap has no batching rule for "
+            "their fused kernels, nor for the cells'): unroll the recurrence with nn.Linear steps")
+
+
+for _function, _module in _RECURRENT.items():
+    register(type(f"{_function.__name__}Rule", (RecurrentRule,),
+                  {"functions": (_function,), "module": _module}))
