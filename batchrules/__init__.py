@@ -1,12 +1,13 @@
 """batchrules: the ops of a training step as first-class citizens of ``torch.func``.
 
 Importing the package loads the C++ extension, which registers the operators
-``torch.ops.batchrules.linear`` / ``linear_backward``, ``silu`` /
-``silu_backward`` and ``mish`` / ``mish_backward`` with explicit autograd
-formulas and vmap batching rules, plus vmap batching rules for aten's loss and
-scaled-dot-product-attention kernels. ``enable()`` routes ``F.linear``,
-``F.silu``, ``F.mish`` and attention to them under torch.func transforms;
-``clipped_grad`` is the DP-SGD transform (per-sample clipped gradient sums).
+``torch.ops.batchrules.linear`` / ``linear_backward`` and, for each activation
+(``silu``, ``mish``, ...), ``<name>`` / ``<name>_backward``, with explicit
+autograd formulas and vmap batching rules, plus vmap batching rules for aten's
+loss and scaled-dot-product-attention kernels. ``enable()`` routes
+``F.linear``, the activations (``F.silu``, ``F.mish``, ...) and attention to
+them under torch.func transforms; ``clipped_grad`` is the DP-SGD transform
+(per-sample clipped gradient sums).
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
@@ -15,12 +16,12 @@ from ._build_check import check_build as _check_build
 _check_build()  # before loading _C: was it built for this torch?
 
 from . import _C  # noqa: E402, F401  (registers the operators)
-from .activations import mish, mish_backward, silu, silu_backward
+from .activations import *  # noqa: F401, F403  (silu, silu_backward, mish, ...)
+from .activations import __all__ as _activation_entries
 from ._post_import import when_imported as _when_imported
-from .decompositions import register_decompositions as _register_decompositions
+from .compile import install as _install_compile_hooks
 from .dp import clipped_grad
-from .ops import linear, linear_backward
-from .ops import register_compile_polyfill as _register_compile_polyfill
+from .linear import linear, linear_backward
 from .routing import disable, enable, enabled, is_enabled
 
 
@@ -30,11 +31,10 @@ def _register_sharding_strategies(_module: object) -> None:
     register_sharding_strategies()
 
 
-_register_decompositions()
+_install_compile_hooks()
 _when_imported("torch.distributed.tensor", _register_sharding_strategies)
-_when_imported("torch._dynamo", _register_compile_polyfill)
 
-__all__ = ["linear", "linear_backward", "silu", "silu_backward", "mish", "mish_backward",
-           "clipped_grad", "enable", "disable", "enabled", "is_enabled"]
+__all__ = ["linear", "linear_backward", *_activation_entries, "clipped_grad", "enable", "disable",
+           "enabled", "is_enabled"]
 
 __version__ = "0.1.0"

@@ -1,23 +1,10 @@
-// Operator schemas: the one TORCH_LIBRARY block of the extension.
+// Operator schemas: the one TORCH_LIBRARY block of the extension, and the
+// cached typed dispatcher handles of ops.h.
 #include "ops.h"
 
 #include <torch/library.h>
 
 namespace batchrules {
-
-const c10::TypedOperatorHandle<LinearSig>& linear_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("batchrules::linear", "")
-                             .typed<LinearSig>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<LinearBackwardSig>& linear_backward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("batchrules::linear_backward", "")
-                             .typed<LinearBackwardSig>();
-  return op;
-}
 
 namespace {
 
@@ -28,25 +15,27 @@ c10::TypedOperatorHandle<Sig> find_op(const char* name) {
 
 }  // namespace
 
-const c10::TypedOperatorHandle<ActivationSig>& silu_op() {
-  static const auto op = find_op<ActivationSig>("batchrules::silu");
+const c10::TypedOperatorHandle<LinearSig>& linear_op() {
+  static const auto op = find_op<LinearSig>("batchrules::linear");
   return op;
 }
 
-const c10::TypedOperatorHandle<ActivationBackwardSig>& silu_backward_op() {
-  static const auto op = find_op<ActivationBackwardSig>("batchrules::silu_backward");
+const c10::TypedOperatorHandle<LinearBackwardSig>& linear_backward_op() {
+  static const auto op = find_op<LinearBackwardSig>("batchrules::linear_backward");
   return op;
 }
 
-const c10::TypedOperatorHandle<ActivationSig>& mish_op() {
-  static const auto op = find_op<ActivationSig>("batchrules::mish");
-  return op;
-}
-
-const c10::TypedOperatorHandle<ActivationBackwardSig>& mish_backward_op() {
-  static const auto op = find_op<ActivationBackwardSig>("batchrules::mish_backward");
-  return op;
-}
+#define BATCHRULES_DEFINE_ACTIVATION_OPS(name, ...)                                       \
+  const c10::TypedOperatorHandle<ActivationSig>& name##_op() {                            \
+    static const auto op = find_op<ActivationSig>("batchrules::" #name);                  \
+    return op;                                                                            \
+  }                                                                                       \
+  const c10::TypedOperatorHandle<ActivationBackwardSig>& name##_backward_op() {           \
+    static const auto op = find_op<ActivationBackwardSig>("batchrules::" #name "_backward"); \
+    return op;                                                                            \
+  }
+BATCHRULES_ACTIVATIONS(BATCHRULES_DEFINE_ACTIVATION_OPS)
+#undef BATCHRULES_DEFINE_ACTIVATION_OPS
 
 TORCH_LIBRARY(batchrules, m) {
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
@@ -54,11 +43,13 @@ TORCH_LIBRARY(batchrules, m) {
   m.def(
       "linear_backward(Tensor self, Tensor grad_output, Tensor weight, bool[3] output_mask) "
       "-> (Tensor, Tensor, Tensor)");
-  // grad_output and self broadcast against each other, as in aten::silu_backward.
-  m.def("silu(Tensor self) -> Tensor");
-  m.def("silu_backward(Tensor grad_output, Tensor self) -> Tensor");
-  m.def("mish(Tensor self) -> Tensor");
-  m.def("mish_backward(Tensor grad_output, Tensor self) -> Tensor");
+  // Each activation: <name>(self) and <name>_backward(grad_output, self),
+  // whose operands broadcast against each other as in aten::silu_backward.
+#define BATCHRULES_DEFINE_ACTIVATION_SCHEMAS(name, ...) \
+  m.def(#name "(Tensor self) -> Tensor");              \
+  m.def(#name "_backward(Tensor grad_output, Tensor self) -> Tensor");
+  BATCHRULES_ACTIVATIONS(BATCHRULES_DEFINE_ACTIVATION_SCHEMAS)
+#undef BATCHRULES_DEFINE_ACTIVATION_SCHEMAS
 }
 
 }  // namespace batchrules

@@ -5,6 +5,8 @@
 // and is seen by vmap, autograd, FakeTensor and torch.compile alike.
 #pragma once
 
+#include "activations/activation_list.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -24,14 +26,17 @@ using LinearBackwardSig =
 const c10::TypedOperatorHandle<LinearSig>& linear_op();
 const c10::TypedOperatorHandle<LinearBackwardSig>& linear_backward_op();
 
-// Pointwise activations f(self) and their backward grad_output * f'(self).
+// Pointwise activations f(self) and their backward grad_output * f'(self):
+// <name>_op() and <name>_backward_op() for each entry of
+// activations/activation_list.h.
 using ActivationSig = Tensor(const Tensor&);
 using ActivationBackwardSig = Tensor(const Tensor&, const Tensor&);
 
-const c10::TypedOperatorHandle<ActivationSig>& silu_op();
-const c10::TypedOperatorHandle<ActivationBackwardSig>& silu_backward_op();
-const c10::TypedOperatorHandle<ActivationSig>& mish_op();
-const c10::TypedOperatorHandle<ActivationBackwardSig>& mish_backward_op();
+#define BATCHRULES_DECLARE_ACTIVATION_OPS(name, ...)      \
+  const c10::TypedOperatorHandle<ActivationSig>& name##_op(); \
+  const c10::TypedOperatorHandle<ActivationBackwardSig>& name##_backward_op();
+BATCHRULES_ACTIVATIONS(BATCHRULES_DECLARE_ACTIVATION_OPS)
+#undef BATCHRULES_DECLARE_ACTIVATION_OPS
 
 inline Tensor dispatch_linear(const Tensor& input, const Tensor& weight,
                      const std::optional<Tensor>& bias = std::nullopt) {

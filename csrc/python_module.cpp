@@ -1,7 +1,8 @@
 // The batchrules._C extension module. Importing it registers the operators
 // (the TORCH_LIBRARY blocks of this library); it exposes the routing switch,
-// which Python wraps in batchrules.enable()/disable(), and batchrules.linear's
-// eager entry point.
+// which Python wraps in batchrules.enable()/disable(), batchrules.linear's
+// eager entry point, and the list of activations (activations/activation_list.h),
+// from which batchrules.activations and batchrules.compile make their entries.
 //
 // Note [Eager entry of batchrules.linear]
 // torch.ops calls box their arguments, and the checks a Python entry needs to
@@ -15,7 +16,8 @@
 // __torch_function__, a mode, None) takes torch.ops.batchrules.linear, which
 // handles overrides and reports bad arguments; a non-tensor is a TypeError,
 // as for F.linear. torch.compile traces this function through a polyfill
-// (batchrules/ops.py).
+// (batchrules/compile.py).
+#include "activations/definitions.h"
 #include "ops.h"
 #include "routing.h"
 
@@ -75,16 +77,27 @@ py::object linear_entry(py::handle input, py::handle weight, py::handle bias) {
   return op(input, weight, bias);
 }
 
+// (name, formula, supports_complex) of each activation, in the list's order.
+py::list activations() {
+  py::list out;
+  for (const batchrules::Activation* act : batchrules::all_activations()) {
+    out.append(py::make_tuple(act->op_name, act->formula, act->supports_complex));
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_routing_enabled", &batchrules::set_routing_enabled,
         pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "Route linear, silu, mish, attention and the losses' kernels under torch.func transforms "
-        "(process-wide).");
+        "Route linear, the activations, attention and the losses' kernels under torch.func "
+        "transforms (process-wide).");
   m.def("_routing_enabled", &batchrules::routing_enabled,
         "Whether the routes of every op family are registered (see routing.py).");
   // See Note [Eager entry of batchrules.linear].
   m.def("linear", &linear_entry, py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(),
         R"doc(The eager entry of batchrules.linear (see its docstring).)doc");
+  m.def("_activations", &activations,
+        "(name, formula, supports_complex) of each activation operator batchrules::<name>.");
 }

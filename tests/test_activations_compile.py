@@ -1,6 +1,6 @@
 """torch.compile of the activation ops and of vmap(grad) over SiLU networks with
 routing on: AOTAutograd lowers the ops to ATen's kernels (aten.silu,
-aten.silu_backward, ...; see batchrules/decompositions.py), graph checks with
+aten.silu_backward, ...; see batchrules/compile.py), graph checks with
 aot_eager, one end-to-end Inductor compile."""
 from typing import Dict, List
 
@@ -13,7 +13,7 @@ from torch.func import functional_call, grad, stack_module_state, vmap
 
 import batchrules
 from activation_samples import ACTS, Act
-from batchrules import decompositions
+from batchrules import compile as compile_hooks
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd"),
               pytest.mark.usefixtures("fresh_dynamo")]
@@ -39,14 +39,14 @@ def test_decomposed_to_atens_kernels(act: Act) -> None:
 
 @pytest.mark.parametrize("act", ACTS, ids=repr)
 def test_extern_kernels_keep_the_ops(act: Act) -> None:
-    decompositions.unregister_decompositions()
+    compile_hooks.unregister_decompositions()
     try:
         backend = AotEagerAndRecordGraphs()
         x = torch.randn(4, 5, requires_grad=True)
         out = torch.compile(lambda t: act.op(t).sum(), fullgraph=True, backend=backend)(x)
         out.backward()
     finally:
-        decompositions.register_decompositions()
+        compile_hooks.register_decompositions()
     assert f"batchrules.{act.name}.default" in graph_ops(backend.fw_graphs)
     assert f"batchrules.{act.name}_backward.default" in graph_ops(backend.bw_graphs)
 
@@ -98,6 +98,8 @@ def test_vmap_grad_fullgraph_routed(act: Act, routing_on: None) -> None:
     assert graph_ops(stock_backend.fw_graphs) != ops
 
 
+# slow: Inductor compiles and builds C++; the one end-to-end Inductor run of the activations.
+@pytest.mark.slow
 def test_vmap_grad_inductor(routing_on: None) -> None:
     step, args, want = ensemble(ACTS[0])
     counter = CompileCounterWithBackend("inductor")

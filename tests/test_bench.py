@@ -1,8 +1,9 @@
 """Smoke tests of the benchmark instrument (``python -m batchrules.bench``).
 
-Timings are never asserted: only that the CLI runs, its JSON holds every
-number, every variant (compiled twins included) matches the reference, the
-instruments count right and the target logic judges synthetic timings right.
+Timings are never asserted: only that the CLI runs (default, smoke, and
+without Opacus), its JSON holds every number, every variant (compiled twins
+included) matches the reference and the instruments count right. The report
+and the targets on synthetic results: ``test_bench_report.py``.
 """
 import json
 import math
@@ -15,16 +16,14 @@ import pytest
 import torch
 
 from batchrules.bench.__main__ import compiled_tiers
-from batchrules.bench.case import TIERS, Case, Variant
-from batchrules.bench.check import compare
+from batchrules.bench.baselines.opacus_variants import opacus_missing_reason
+from batchrules.bench.case import TIERS, Variant
 from batchrules.bench.compiled import (check_no_recompile, compile_failure, compile_now,
                                        compiled_twin, fresh_function)
 from batchrules.bench.kernels import count_kernels, eager_linear_kernels
 from batchrules.bench.memory import peak_extra_bytes
-from batchrules.bench.report import all_correct, limit_ratios_text, table
-from batchrules.bench.runner import CaseResult, VariantResult
-from batchrules.bench.targets import COMPILED_TARGET, compiled_limit_ratios, evaluate
-from batchrules.bench.timing import Stats, paired_ratios
+from batchrules.bench.scenarios import all_cases
+from batchrules.bench.targets import COMPILED_TARGET
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE_CASES = ("ensemble_fwd_shared/small", "psg_mlp/b8", "eager_linear/small")
@@ -32,9 +31,10 @@ CPU = torch.device("cpu")
 TWINS = ("stock_compiled", "batchrules_compiled")
 
 
-def run_cli(*args: str, **env_vars: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               **env_vars)
+def run_cli(*args: str, pythonpath: str = "", **env_vars: str) -> subprocess.CompletedProcess:
+    """The bench in a subprocess; ``pythonpath`` goes first on its module path."""
+    path = [p for p in (pythonpath, str(ROOT), os.environ.get("PYTHONPATH")) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), **env_vars)
     return subprocess.run([sys.executable, "-m", "batchrules.bench", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -71,6 +71,9 @@ def test_smoke_every_variant_checked_and_timed(smoke_record: dict, case_index: i
     assert expected <= case["variants"].keys()
     for name, v in case["variants"].items():
         assert v["error"] is None, (name, v["error"])
+        if v["skipped"] is not None:  # see test_without_opacus_its_variants_are_skipped
+            assert name == "opacus" and opacus_missing_reason() is not None
+            continue
         assert v["compiled"] == (name in TWINS)
         if v["not_compiled"] is not None:
             continue  # see test_smoke_compiled_twins
@@ -123,20 +126,58 @@ def test_smoke_kernels_per_linear_forward(smoke_record: dict) -> None:
 
 
 def test_cli_list_and_unmatched_filter() -> None:
-    proc = run_cli("--quick", "--list")
-    assert proc.returncode == 0 and "psg_cnn/b8" in proc.stdout
+    """Twins only with --full or --compiled; the default is the headline."""
+    for args, compiled in ((("--quick",), False), (("--quick", "--compiled"), True), (("--full",), True)):
+        proc = run_cli(*args, "--list")
+        assert proc.returncode == 0 and "psg_cnn/b8" in proc.stdout
+        assert {line.split()[2] for line in proc.stdout.splitlines()} == {"compiled" if compiled else "eager"}
+    default = run_cli("--list")
+    listed = [line.split()[0] for line in default.stdout.splitlines()]
+    assert listed == [c.name for c in all_cases("headline")]
     assert run_cli("--only", "no_such_case").returncode == 2
-    listed = proc.stdout.splitlines()
-    assert [line.split()[2] for line in listed if "/small" in line] == ["compiled"] * sum(
-        "/small" in line for line in listed)
-    assert all(line.split()[2] == "eager" for line in listed if " large " in line or " medium " in line)
+
+
+def test_default_mode_prints_the_headline_table(tmp_path: Path) -> None:
+    """The default run (here one cheap case of it): eager only, one line per
+    case, the targets, no per-variant table."""
+    out = tmp_path / "headline.json"
+    proc = run_cli("--only", "loss_grad/mse", "--budget", "0.05", "--threads", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("case"))
+    assert header.split()[:4] == ["case", "stock", "batchrules", "vs"] and "k/lin" not in proc.stdout
+    assert "loss_grad/mse/b8" in proc.stdout and "Targets" in proc.stdout
+    assert "compiled twins" not in proc.stdout
+    record = json.loads(out.read_text())
+    assert record["config"]["mode"] == "headline" and record["config"]["compiled"]["tiers"] == []
+    assert record["all_correct"] is True
+    assert {t["target"] for t in record["targets"]} == {"not slower than stock (stock / batchrules >= 1)"}
+
+
+def test_without_opacus_its_variants_are_skipped(tmp_path: Path) -> None:
+    """With Opacus not importable the bench says why once, reports its rows
+    and targets as skipped with the reason, and still passes."""
+    fake = tmp_path / "opacus"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('raise ImportError("opacus hidden by the test")\n')
+    out = tmp_path / "no_opacus.json"
+    proc = run_cli("--smoke", "--only", "psg_mlp/b8", "--threads", "1", "--json", str(out),
+                   pythonpath=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "note: opacus not importable (opacus hidden by the test)" in proc.stdout
+    record = json.loads(out.read_text())
+    assert record["all_correct"] is True
+    opacus = record["cases"][0]["variants"]["opacus"]
+    assert opacus["skipped"] == "opacus not importable (opacus hidden by the test)"
+    assert opacus["times_s"] is None and opacus["error"] is None
+    (target,) = [t for t in record["targets"] if "Opacus" in t["target"]]
+    assert target["verdict"] == "skipped" and "opacus hidden by the test" in target["detail"]
 
 
 def test_cli_without_cpp_compiler_skips_twins(tmp_path: Path) -> None:
     """Where torch.compile cannot work at all (here: no C++ compiler), the bench
     says so once and runs the eager variants."""
     out = tmp_path / "no_cxx.json"
-    proc = run_cli("--smoke", "--only", "eager_linear_fwd/small", "--json", str(out),
+    proc = run_cli("--smoke", "--compiled", "--only", "eager_linear_fwd/small", "--json", str(out),
                    CXX="/nonexistent/g++")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no compiled twins were run, the compiler warm-up did not compile" in proc.stdout
@@ -147,10 +188,10 @@ def test_cli_without_cpp_compiler_skips_twins(tmp_path: Path) -> None:
 
 
 def test_compiled_tiers_per_mode_and_flag() -> None:
-    assert compiled_tiers("quick", None) == ("small",)
-    assert compiled_tiers("smoke", None) == ("small",)
+    for mode in ("smoke", "headline", "quick"):
+        assert tuple(compiled_tiers(mode, None)) == ()
+        assert tuple(compiled_tiers(mode, True)) == TIERS
     assert tuple(compiled_tiers("full", None)) == TIERS
-    assert tuple(compiled_tiers("quick", True)) == TIERS
     assert tuple(compiled_tiers("full", False)) == ()
 
 
@@ -168,20 +209,6 @@ def test_kernel_counter_on_known_ops() -> None:
 def test_peak_memory_counts_live_result() -> None:
     peak = peak_extra_bytes(Variant("alloc", lambda: torch.empty(1 << 18)), CPU)
     assert peak >= 4 << 18
-
-
-def test_check_detects_wrong_results() -> None:
-    ref = torch.randn(4, 5, dtype=torch.float64)
-    assert compare(ref.float(), ref, rtol=1e-4).ok
-    assert not compare(ref.float() + 1e-2, ref, rtol=1e-4).ok
-    assert not compare(ref.float()[:3], ref, rtol=1e-4).ok
-    assert not compare([ref.float()], [ref, ref], rtol=1e-4).ok
-
-
-def test_paired_ratios_and_quantiles() -> None:
-    a, b = Stats([2.0, 4.0, 6.0]), Stats([1.0, 2.0, 2.0])
-    assert paired_ratios(a, b).times == [2.0, 2.0, 3.0]
-    assert a.median == 4.0 and a.quantile(0.25) == 3.0 and a.iqr == 2.0
 
 
 def test_breakdown_runs_every_layer() -> None:
@@ -265,53 +292,3 @@ def test_graph_break_is_a_one_line_compile_failure() -> None:
         compile_now(twin, lambda: None)
     reason = compile_failure(info.value)
     assert reason.startswith("did not compile: ") and "\n" not in reason
-
-
-# ---- report and targets on synthetic results ---------------------------------------
-
-def _result(times: dict, not_compiled: tuple = (), tier: str = "small") -> CaseResult:
-    case = Case("ensemble_train", "tiny", tier, 2, "synthetic", build=lambda device: None)
-    r = CaseResult(case)
-    for name, ts in times.items():
-        vr = r.variants[name] = VariantResult(name, stats=Stats(list(ts)), compiled=name in TWINS,
-                                              compile_s=1.5 if name in TWINS else None)
-        vr.check = compare(torch.ones(1), torch.ones(1, dtype=torch.float64), 1e-4)
-    for name in not_compiled:
-        r.variants[name] = VariantResult(name, compiled=True, not_compiled="did not compile: Boom: why")
-    return r
-
-
-def _compiled_checks(r: CaseResult) -> list:
-    return [c for c in evaluate([r], linear_floor=2) if c.target == COMPILED_TARGET]
-
-
-def test_compiled_target_verdicts() -> None:
-    eager = {"stock": [4.0] * 5, "batchrules": [3.0] * 5, "limit": [1.0] * 5}
-    faster = _result({**eager, "stock_compiled": [2.0] * 5, "batchrules_compiled": [1.8] * 5})
-    (check,) = _compiled_checks(faster)
-    assert check.verdict == "met" and check.value == pytest.approx(2.0 / 1.8)
-    slower = _result({**eager, "stock_compiled": [2.0] * 5, "batchrules_compiled": [3.0] * 5})
-    assert _compiled_checks(slower)[0].verdict == "missed"
-    noisy = _result({**eager, "stock_compiled": [2.0] * 5, "batchrules_compiled": [1.9, 2.1, 2.1, 2.2, 1.8]})
-    assert _compiled_checks(noisy)[0].verdict == "noise"
-    broken = _result({**eager, "stock_compiled": [2.0] * 5}, not_compiled=("batchrules_compiled",))
-    (check,) = _compiled_checks(broken)
-    assert check.verdict == "missed" and "Boom" in check.detail
-    assert not all_correct([broken])
-    neither = _result(eager, not_compiled=TWINS)
-    assert _compiled_checks(neither) == [] and all_correct([neither])
-
-
-def test_compiled_columns_and_limit_ratios() -> None:
-    eager = {"stock": [4.0] * 3, "batchrules": [3.0] * 3, "limit": [1.0] * 3}
-    r = _result({**eager, "stock_compiled": [2.0] * 3, "batchrules_compiled": [1.6] * 3})
-    text = table([r])
-    header, _, *rows = text.splitlines()
-    assert "vs s.comp" in header and "compile" in header
-    twin_row = next(line for line in rows if "batchrules_compiled" in line)
-    assert "1.25x" in twin_row and "1.5s" in twin_row and "1.60" in twin_row
-    (ratios,) = compiled_limit_ratios([r])
-    assert ratios.ratios == pytest.approx({"batchrules": 3.0, "stock_compiled": 2.0, "batchrules_compiled": 1.6})
-    assert "batchrules_compiled 1.60" in limit_ratios_text([ratios])
-    assert compiled_limit_ratios([_result(eager, tier="small")]) == []
-    assert "did not compile: Boom: why" in table([_result(eager, not_compiled=TWINS)])

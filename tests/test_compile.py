@@ -15,7 +15,7 @@ from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBac
 from torch.func import functional_call, grad, stack_module_state, vmap
 
 import batchrules
-from batchrules import decompositions
+from batchrules import compile as compile_hooks
 
 # aot_eager's compiled functions take unboxed arguments; AOTAutograd says so.
 pytestmark = [pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd"),
@@ -25,11 +25,11 @@ pytestmark = [pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd")
 @pytest.fixture
 def extern_kernels() -> Iterator[None]:
     """Compile the batchrules ops as extern kernels instead of decomposing them."""
-    decompositions.unregister_decompositions()
+    compile_hooks.unregister_decompositions()
     try:
         yield
     finally:
-        decompositions.register_decompositions()
+        compile_hooks.register_decompositions()
 
 
 def graph_ops(graphs: List[torch.fx.GraphModule]) -> List[str]:
@@ -57,6 +57,9 @@ def check_grads_match(compiled: Callable, x: torch.Tensor, w: torch.Tensor, b: t
         torch.testing.assert_close(got.grad, want.grad)
 
 
+# slow (like each Inductor test here): Inductor compiles and builds C++ for the graph;
+# these are the end-to-end checks that the compiled code computes the right values.
+@pytest.mark.slow
 def test_inductor_forward_backward_fullgraph() -> None:
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(linear_loss, fullgraph=True, backend=counter)
@@ -64,6 +67,7 @@ def test_inductor_forward_backward_fullgraph() -> None:
     assert counter.frame_count == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["dynamic=True", "mark_dynamic"])
 def test_inductor_dynamic_shapes_one_graph(how: str) -> None:
     counter = CompileCounterWithBackend("inductor")
@@ -187,7 +191,8 @@ def loop_per_sample_grads(model: nn.Module, x: torch.Tensor,
     return {n: torch.stack([r[k] for r in rows]) for k, n in enumerate(names)}
 
 
-@pytest.mark.parametrize("routing", [True, False], ids=["routing", "stock"])
+@pytest.mark.parametrize("routing", [pytest.param(True, marks=pytest.mark.slow), False],
+                         ids=["routing", "stock"])  # routing: Inductor
 def test_compiled_ensemble(routing: bool) -> None:
     """Compiled ensembling matches a loop over the models, with routing on and
     STOCK torch.func (routing off). pytorch#109025 ("Batching rule not
@@ -221,7 +226,8 @@ def test_stock_issue_109025_repro_compiles() -> None:
     torch.testing.assert_close(got, torch.stack([m(x) for m in models]))
 
 
-@pytest.mark.parametrize("routing", [True, False], ids=["routing", "stock"])
+@pytest.mark.parametrize("routing", [pytest.param(True, marks=pytest.mark.slow), False],
+                         ids=["routing", "stock"])  # routing: Inductor
 def test_compiled_per_sample_grads(routing: bool) -> None:
     torch.manual_seed(0)
     model = small_mlp()

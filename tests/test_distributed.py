@@ -25,8 +25,11 @@ from torch.func import functional_call, grad, vmap
 
 import batchrules
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="torch.distributed with gloo is not available"),
+              # slow: each group spawns 2 processes that import torch; the only run of the
+              # rules across real process groups (DDP all-reduce, DTensor sharding).
+              pytest.mark.slow]
 
 WORLD = 2
 DEADLINE_S = 180.0

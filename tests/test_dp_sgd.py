@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from batchrules.examples import dp_sgd
+from batchrules.examples import dp_sgd, dp_sgd_ranks
 from dp_reference import loop_clipped_grad
 
 CONFIG = dp_sgd.DPConfig(steps=4, examples=48, sample_rate=0.1, noise_multiplier=0.7)
@@ -77,6 +77,6 @@ def test_ddp_matches_one_process() -> None:
     model, _ = dp_sgd.train(config)
     want = model.state_dict()
     assert not any(torch.equal(want[k], start[k]) for k in want)
-    for state in dp_sgd.train_ddp(config, world=2, timeout_s=240):
+    for state in dp_sgd_ranks.train_ddp(config, world=2, timeout_s=240):
         for k in want:
             torch.testing.assert_close(state[k], want[k], rtol=1e-5, atol=1e-6)

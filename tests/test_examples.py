@@ -38,6 +38,9 @@ def test_example_main(name: str, routing_before: bool, capsys: pytest.CaptureFix
         assert line in printed
 
 
+# slow: a fresh interpreter per example (importing torch takes seconds); it is what
+# users run, and the only check of each example's __main__ entry point.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(EXPECTED_OUTPUT))
 def test_example_runs_as_module(name: str) -> None:
     path = os.pathsep.join([str(PACKAGE_PARENT), os.environ.get("PYTHONPATH", "")])

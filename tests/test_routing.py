@@ -289,6 +289,8 @@ def test_transforms_in_threads_while_enable_is_called_again(routing_on: None) ->
     assert errors == []
 
 
+# slow: a fresh interpreter per value (the variable is read once, at import).
+@pytest.mark.slow
 @pytest.mark.parametrize("value, expected", [("1", True), ("true", True), ("ON", True),
                                              ("0", False), ("", False), (None, False)])
 def test_env_var_turns_routing_on_at_import(value: Optional[str], expected: bool) -> None:

@@ -5,21 +5,21 @@ import contextlib
 import dataclasses
 import sys
 import time
+import warnings
 from typing import List, Optional, Sequence
 
 import torch
 
-from . import (scenarios_activations, scenarios_dp, scenarios_eager, scenarios_ensemble,
-               scenarios_hyper, scenarios_losses, scenarios_psg, scenarios_transformer)
-from .case import TIERS, Case
+from .baselines.opacus_variants import opacus_missing_reason
+from .case import TIERS
 from .compiled import compile_failure, private_inductor_cache, warm_up_compiler
 from .kernels import eager_linear_kernels
-from .machine import machine_info
-from .opacus_variant import opacus_missing_reason
+from .machine import machine_info, overloaded
 from .plot import plot_speedups
 from .progress import Progress
-from .report import all_correct, limit_ratios_text, table, targets_text, to_json
+from .report import all_correct, headline_table, limit_ratios_text, table, targets_text, to_json
 from .runner import RTOL, CaseResult, measure_vmap_floor, run_case
+from .scenarios import all_cases
 from .targets import compiled_limit_ratios, evaluate
 from .timing import TimingPlan
 
@@ -27,50 +27,37 @@ PLANS = {
     # per-variant block ~block_s; repeats fill budget_s per case within bounds
     "smoke": TimingPlan(block_s=0.002, budget_s=0.1, min_repeats=3, max_repeats=3, warmup_calls=1),
     # the check and profiling runs already warmed every variant up
+    "headline": TimingPlan(block_s=0.01, budget_s=0.5, min_repeats=5, max_repeats=15, warmup_calls=0),
     "quick": TimingPlan(block_s=0.01, budget_s=1.0, min_repeats=5, max_repeats=25, warmup_calls=0),
     "full": TimingPlan(block_s=0.05, budget_s=10.0, min_repeats=15, max_repeats=200, warmup_calls=3),
 }
-# The tiers whose cases get compiled twins unless --compiled / --no-compiled says
-# otherwise: compiling costs ~10-30 s of CPU per twin on a 2-core machine, so
-# --quick compiles the small (overhead-bound) rows only, where compile matters most.
-COMPILED_TIERS = {"smoke": ("small",), "quick": ("small",), "full": TIERS}
-
-
-def all_cases(mode: str) -> List[Case]:
-    return (
-        scenarios_ensemble.cases(mode)
-        + scenarios_psg.cases(mode)
-        + scenarios_hyper.cases(mode)
-        + scenarios_eager.cases(mode)
-        + scenarios_transformer.cases(mode)
-        + scenarios_losses.cases(mode)
-        + scenarios_dp.cases(mode)
-        + scenarios_activations.cases(mode)
-    )
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m batchrules.bench",
-        description="batchrules vs stock torch.func, Opacus and hand-written code.",
+        description="batchrules vs stock torch.func, Opacus and hand-written code. By default one "
+                    "row per workload (ensembles, per-sample gradients, a hypernetwork, the DP step, "
+                    "the training-step ops), eager only: about a minute.",
     )
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                      help="named and small sizes, short timing, compiled twins of the small tier (default)")
+                      help="every scenario at its named and small sizes, short timing (~3 min on 2 cores)")
     size.add_argument("--full", dest="mode", action="store_const", const="full",
-                      help="all sizes, long timing")
+                      help="all sizes, long timing, compiled twins of every case (an hour on 2 cores)")
     size.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
                       help="smallest sizes, minimal timing: checks the bench runs, numbers are noise")
-    p.set_defaults(mode="quick")
+    p.set_defaults(mode="headline")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--only", action="append", metavar="NAME",
                    help="run the cases whose scenario/size contains NAME (repeatable)")
     p.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
                    help="add torch.compile'd twins (stock_compiled, batchrules_compiled) of the user "
-                        "code to every case (--compiled) or to none (--no-compiled); default: --full "
-                        "and --smoke all cases, --quick the small tier only (each twin compiles from "
-                        "scratch, ~10-30 s of CPU here; compile time is reported, not timed)")
-    p.add_argument("--threads", type=int, help="torch.set_num_threads before running")
+                        "code to every case; default: with --full only (each twin compiles from "
+                        "scratch, ~10-30 s of CPU on 2 cores; compile time is reported, not timed)")
+    p.add_argument("--threads", type=int,
+                   help="torch.set_num_threads before running (default: torch's, or 1 when the load "
+                        "average exceeds the CPU count)")
     p.add_argument("--budget", type=float, metavar="SECONDS",
                    help="timing budget per case (overrides the mode's; repeats stay within its bounds)")
     p.add_argument("--json", metavar="PATH", help="write every number and machine info as JSON")
@@ -80,10 +67,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def compiled_tiers(mode: str, compiled: Optional[bool]) -> Sequence[str]:
-    """The tiers that get compiled twins (``compiled``: the --[no-]compiled flag)."""
-    if compiled is None:
-        return COMPILED_TIERS[mode]
-    return TIERS if compiled else ()
+    """The tiers that get compiled twins (``compiled``: the --[no-]compiled flag):
+    every tier with --full or --compiled, none otherwise."""
+    return TIERS if (mode == "full" if compiled is None else compiled) else ()
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -107,21 +93,30 @@ def main(argv: Optional[List[str]] = None) -> int:
         # Full fp32 everywhere so every variant is checked at the same precision.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+    load = overloaded()
     if args.threads:
         torch.set_num_threads(args.threads)
+    elif load is not None:
+        # Multi-threaded torch stalls whenever one of its threads is descheduled:
+        # on an overloaded machine one thread is both faster and steadier.
+        torch.set_num_threads(1)
     torch.manual_seed(0)
+    # Stock vmap runs SDPA through functorch's per-example fallback and says so on
+    # every call; that fallback is what the stock rows measure.
+    warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet "
+                                              "implemented the batching rule")
 
     machine = machine_info(device)
     note = opacus_missing_reason()
     print(f"batchrules bench ({args.mode}) on {device}: torch {machine['torch']}, "
           f"{machine['torch_threads']} threads, {machine['cpu']}; load {machine['load_average_1m_5m_15m']}")
-    load = machine["load_average_1m_5m_15m"]
-    if load and load[0] > (machine["cpu_count"] or 1):
-        print(f"warning: load average {load[0]:.1f} exceeds the {machine['cpu_count']} CPUs: timings are "
-              "unreliable; multi-threaded torch stalls whenever a thread is descheduled (--threads 1 "
-              "suffers least)")
-    if note and any(c.scenario.startswith("psg") for c in cases):
-        print(f"note: {note}")
+    if load is not None:
+        threads = "" if args.threads else "; running on 1 thread (--threads N overrides)"
+        print(f"warning: load average {load:.1f} exceeds the {machine['cpu_count']} CPUs: timings are "
+              f"unreliable{threads}")
+    if note:
+        print(f"note: {note}: the Opacus variants are skipped. Install it with `pip install opacus` "
+              "(its deps are scipy and opt_einsum; check with --dry-run that it leaves torch alone)")
 
     plan = PLANS[args.mode]
     if args.budget is not None:
@@ -151,16 +146,20 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     linear_floor = eager_linear_kernels(device)
     checks = evaluate(results, linear_floor)
-    print(f"\nvmap floor (vmap over identity of one tensor): {floor.median * 1e6:.1f}us "
-          f"(IQR {floor.iqr * 1e6:.1f}us); each case's own, for its inputs, is in -floor\n")
+    print()
     if compile_broken:
         print(f"note: no compiled twins were run, the compiler warm-up {compile_broken}\n")
     if any_compiled:
         print(f"compiled twins (tiers: {', '.join(tiers)}): torch.compile(fullgraph=True), Inductor, "
               f"caches off (every twin compiles from scratch); compile = wall time of the first call, "
               f"excluded from the timings; one-off compiler warm-up {warm_up_s:.1f}s\n")
-    print(table(results))
-    print(f"(k/lin: kernels per linear forward call; an eager F.linear with bias is {linear_floor} here)")
+    if args.mode != "headline" or any_compiled:  # the compile times are in this table
+        print(f"vmap floor (vmap over identity of one tensor): {floor.median * 1e6:.1f}us "
+              f"(IQR {floor.iqr * 1e6:.1f}us); each case's own, for its inputs, is in -floor\n")
+        print(table(results))
+        print(f"(k/lin: kernels per linear forward call; an eager F.linear with bias is {linear_floor} "
+              "here)\n")
+    print(headline_table(results, checks))
     print("\nTargets (measured, not asserted):")
     print(targets_text(checks))
     limit_ratios = compiled_limit_ratios(results)

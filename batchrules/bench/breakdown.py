@@ -31,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import batchrules
 
-from . import limits
+from .baselines import hand_written
 from .case import Variant
 from .kernels import quiet_stderr
 from .models import MlpSpec, mlp, mse, stacked_ensemble
@@ -58,7 +58,7 @@ def _direct(spec: MlpSpec, p: Dict[str, Tensor], x: Tensor) -> Tensor:
         w, b = (p[k] for k in spec.param_keys(i))
         h = F.linear(h, w, b)
         if i < spec.n_linears - 1:
-            h = limits.activation(h, spec.act)
+            h = hand_written.activation(h, spec.act)
     return h
 
 
@@ -83,7 +83,7 @@ def _variants(members: int, spec: MlpSpec, batch: int, train: bool) -> List[Vari
             ("direct F.linear", vmap(lambda p, b, xi, yi: _direct(spec, p, xi))),
             ("user code", vmap(lambda p, b, xi, yi: functional_call(base, (p, b), (xi,)))),
         ]
-        limit = lambda: limits.ensemble_forward(layers, spec.act, x, shared=False)  # noqa: E731
+        limit = lambda: hand_written.ensemble_forward(layers, spec.act, x, shared=False)  # noqa: E731
     else:
         steps += [
             ("vmap(grad) trivial",
@@ -92,7 +92,7 @@ def _variants(members: int, spec: MlpSpec, batch: int, train: bool) -> List[Vari
             ("user code",
              vmap(grad(lambda p, b, xi, yi: mse(functional_call(base, (p, b), (xi,)), yi)))),
         ]
-        limit = lambda: limits.ensemble_mse_grads(layers, spec.act, x, y)  # noqa: E731
+        limit = lambda: hand_written.ensemble_mse_grads(layers, spec.act, x, y)  # noqa: E731
     return [on(name, fn) for name, fn in steps] + [Variant("limit", limit)]
 
 

@@ -1,6 +1,6 @@
 """What a benchmark case is made of: variants of one step and a reference."""
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 from torch.func import vmap
@@ -9,6 +9,11 @@ import batchrules
 
 # Size tiers: "small" is overhead-bound (targets are looser there).
 TIERS = ("small", "medium", "large")
+# What a run covers, smallest first: ``smoke`` checks the bench runs (numbers
+# are noise); ``headline`` (the default) is one row per workload, about a
+# minute; ``quick`` every scenario at its named and small sizes; ``full`` every
+# size. Each scenario says which of its sizes each mode runs.
+MODES = ("smoke", "headline", "quick", "full")
 
 
 @dataclass
@@ -43,12 +48,14 @@ class CaseSetup:
     ``floor``: ``vmap`` over a function returning its input, with the case's
     inputs and in_dims: the cost of entering and leaving vmap for these
     inputs, which no batching rule removes (it grows with their number).
+    ``skipped``: variants that could not be built here, and why (Opacus missing).
     """
 
     variants: List[Variant]
     reference: Callable[[], Any]
     notes: List[str] = field(default_factory=list)
     floor: Optional[Callable[[], Any]] = None
+    skipped: Dict[str, str] = field(default_factory=dict)
 
 
 def vmap_identity(in_dims: Sequence[Any], args: Sequence[Any], returned: int = -1) -> Callable[[], Any]:
@@ -59,7 +66,8 @@ def vmap_identity(in_dims: Sequence[Any], args: Sequence[Any], returned: int = -
 
 @dataclass
 class Case:
-    """A scenario at one size; ``build`` allocates its tensors lazily."""
+    """A scenario at one size; ``build`` allocates its tensors lazily.
+    ``targets``: what the scenario promises for this case (``targets.py``'s kinds)."""
 
     scenario: str
     size: str
@@ -67,6 +75,7 @@ class Case:
     n_linears: int
     description: str
     build: Callable[[torch.device], CaseSetup]
+    targets: Sequence[Any] = ()
 
     @property
     def name(self) -> str:

@@ -3,7 +3,7 @@ import os
 import platform
 import subprocess
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -30,6 +30,12 @@ def git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def overloaded() -> Optional[float]:
+    """The 1-minute load average when it exceeds the CPU count, else None."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return load if load > (os.cpu_count() or 1) else None
 
 
 def machine_info(device: torch.device) -> Dict[str, Any]:

@@ -68,6 +68,7 @@ def variant_numbers(result: CaseResult, vr: VariantResult) -> Dict[str, Any]:
         "compiled": vr.compiled,
         "compile_s": vr.compile_s,
         "not_compiled": vr.not_compiled,
+        "skipped": vr.skipped,
     }
 
 
@@ -96,8 +97,9 @@ def table(results: List[CaseResult]) -> str:
     for r in results:
         for i, (name, vr) in enumerate(r.variants.items()):
             case = r.case.name if i == 0 else ""
-            if vr.not_compiled is not None:
-                lines.append(_row([case, name, "-"]) + " " + vr.not_compiled)
+            if vr.not_compiled is not None or vr.skipped is not None:
+                why = vr.not_compiled or f"skipped: {vr.skipped}"
+                lines.append(_row([case, name, "-"]) + " " + why)
                 continue
             if vr.error is not None:
                 lines.append(_row([case, name, "ERROR"]) + " " + vr.error)
@@ -123,6 +125,52 @@ def table(results: List[CaseResult]) -> str:
     return "\n".join(lines)
 
 
+HEADLINE_COLUMNS = (("case", 28), ("stock", 9), ("batchrules", 10), ("vs stock", 8), ("limit", 9),
+                    ("br/limit", 8), ("targets", 7), ("other variants (vs stock)", 0))
+
+
+def _variant_time(vr: Optional[VariantResult]) -> str:
+    """The median, marked "!" when the result was wrong; or why there is none."""
+    if vr is None:
+        return "-"
+    if vr.skipped is not None:
+        return "skipped"
+    if vr.error is not None or vr.not_compiled is not None:
+        return "ERROR" if vr.error is not None else "no compile"
+    ok = vr.check is not None and vr.check.ok
+    return fmt_time(_median(vr.stats)) + ("" if ok else "!")
+
+
+def _others(result: CaseResult) -> str:
+    """The case's variants besides stock, batchrules and limit: median (speedup over stock)."""
+    cells = []
+    for name, vr in result.variants.items():
+        if name not in ("stock", "batchrules", "limit"):
+            vs = result.ratio("stock", name)
+            cells.append(f"{name} {_variant_time(vr)}" + (f" ({vs.median:.2f}x)" if vs else ""))
+    return ", ".join(cells)
+
+
+def headline_table(results: List[CaseResult], checks: List[TargetCheck]) -> str:
+    """One line per case: stock vs batchrules vs the hand-written limit, how many
+    of the case's targets were met, and the case's other variants."""
+    def row(cells: List[str]) -> str:
+        return " ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                        for i, (c, (_, w)) in enumerate(zip(cells, HEADLINE_COLUMNS))).rstrip()
+
+    lines = [row([name for name, _ in HEADLINE_COLUMNS]), "-" * 120]
+    for r in results:
+        mine = [c for c in checks if c.case == r.case.name and c.verdict != "skipped"]
+        speedup, to_limit = r.ratio("stock", "batchrules"), r.ratio("batchrules", "limit")
+        lines.append(row([
+            r.case.name, _variant_time(r.variants.get("stock")), _variant_time(r.variants.get("batchrules")),
+            f"{speedup.median:.2f}x" if speedup else "-", _variant_time(r.variants.get("limit")),
+            f"{to_limit.median:.2f}" if to_limit else "-",
+            f"{sum(c.verdict == 'met' for c in mine)}/{len(mine)}" if mine else "-", _others(r),
+        ]))
+    return "\n".join(lines)
+
+
 def targets_text(checks: List[TargetCheck]) -> str:
     """Targets grouped, with each miss listed."""
     lines = []
@@ -130,11 +178,15 @@ def targets_text(checks: List[TargetCheck]) -> str:
         group = [c for c in checks if c.target == target]
         met = sum(c.verdict == "met" for c in group)
         noise = sum(c.verdict == "noise" for c in group)
-        lines.append(f"{target}: {met}/{len(group)} met" + (f", {noise} within noise" if noise else ""))
+        skipped = sum(c.verdict == "skipped" for c in group)
+        lines.append(f"{target}: {met}/{len(group) - skipped} met"
+                     + (f", {noise} within noise" if noise else "") + (f", {skipped} skipped" if skipped else ""))
         for c in group:
-            if c.verdict != "met":
+            if c.verdict == "skipped":
+                lines.append(f"    skipped {c.case:30} {c.detail}")
+            elif c.verdict != "met":
                 extra = f" ({c.detail})" if c.detail else ""
-                lines.append(f"    {c.verdict:6} {c.case:30} {c.value:.3f} vs {c.threshold:.3f}{extra}")
+                lines.append(f"    {c.verdict:7} {c.case:30} {c.value:.3f} vs {c.threshold:.3f}{extra}")
     return "\n".join(lines)
 
 
@@ -173,6 +225,8 @@ def to_json(
 
 
 def _acceptable(result: CaseResult, vr: VariantResult) -> bool:
+    if vr.skipped is not None:
+        return True
     if vr.not_compiled is not None:
         # Acceptable only where stock torch.compile fails on the flow too.
         stock = result.variants.get(STOCK_COMPILED)
@@ -181,7 +235,7 @@ def _acceptable(result: CaseResult, vr: VariantResult) -> bool:
 
 
 def all_correct(results: List[CaseResult]) -> bool:
-    """Every variant ran and matched the reference; a compiled twin may fail to
-    compile only where the stock twin does too (the flow, not batchrules, is
-    what torch.compile cannot handle)."""
+    """Every variant that was not skipped ran and matched the reference; a
+    compiled twin may fail to compile only where the stock twin does too (the
+    flow, not batchrules, is what torch.compile cannot handle)."""
     return all(_acceptable(r, vr) for r in results for vr in r.variants.values())

@@ -34,6 +34,8 @@ class VariantResult:
     compiled: bool = False
     compile_s: Optional[float] = None
     not_compiled: Optional[str] = None
+    # Not run here, and why (its baseline's package is missing); nothing else is set.
+    skipped: Optional[str] = None
 
 
 @dataclass
@@ -135,6 +137,8 @@ def run_case(
     on_stage("setup")
     setup = case.build(device)
     result.notes.extend(setup.notes)
+    for name, why in setup.skipped.items():
+        result.variants[name] = VariantResult(name, skipped=why)
     reference = setup.reference()
     runnable: List[Variant] = []
     for v in setup.variants:

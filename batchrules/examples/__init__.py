@@ -6,6 +6,7 @@ functions it demonstrates, so they can be imported and reused:
 - ``hypernetwork``: vmap over per-sample weights produced by a hypernetwork.
 - ``ensembling``: N stacked copies of an MLP, run and trained under vmap.
 - ``per_sample_grads``: per-sample gradients and a DP-SGD step.
-- ``dp_sgd``: DP-SGD training with ``batchrules.clipped_grad`` (Opacus' accountant, DDP).
+- ``dp_sgd``: DP-SGD training with ``batchrules.clipped_grad`` (Opacus' accountant, DDP, FSDP2,
+  logical batches; its multi-process runs in ``dp_sgd_ranks``).
 - ``inspect_routing``: confirm with the profiler that routing is active.
 """

@@ -3,36 +3,47 @@
 Each step samples a Poisson batch (every example independently with
 probability q), computes with one forward and one backward the sum of the
 per-sample gradients clipped to norm C (``batchrules.clipped_grad``), adds
-Gaussian noise N(0, (sigma C)^2) from a seeded generator, divides by the
+Gaussian noise N(0, (sigma C)^2) from seeded generators, divides by the
 expected batch size q*N and takes an optimizer step. Opacus' RDP accountant
 (when Opacus is installed) turns (sigma, q, steps) into epsilon at delta.
 
-With ``--ddp N``, N gloo processes on 127.0.0.1 draw the same Poisson batch
-and each clips its share; the clipped sums are all-reduced and rank 0 alone
-adds the noise (as Opacus' DistributedDPOptimizer does), so the update is
-the one a single process computes.
+- ``--model transformer``: DP fine-tuning of a small transformer classifier
+  (token embedding, 2 encoder layers, mean pool, linear head; random weights
+  from the config) on a synthetic sequence task, instead of the MLP.
+- ``--logical-batch N``: q = N / examples (a logical batch of N samples in
+  expectation), run in physical chunks of ``--physical-batch`` samples
+  (``batchrules.dp.clipped_grad_chunked``): the clipped sums add up, the
+  noise is added once per logical step.
+- ``--bf16``: the loss runs under ``torch.autocast("cpu", torch.bfloat16)``.
+- ``--ddp N``: N gloo processes on 127.0.0.1 draw the same Poisson batch and
+  each clips its share; rank 0 alone adds the noise (as Opacus'
+  DistributedDPOptimizer does) and the sums are all-reduced once per step
+  (``batchrules.dp.all_reduce_flat``): the update is one process's.
+- ``--fsdp N``: the model sharded over N gloo processes with FSDP2's
+  ``fully_shard`` (per encoder layer and at the root); see dp_sgd_ranks.py.
 
-    python -m batchrules.examples.dp_sgd [--ddp 2] [--steps 30]
+Noise is drawn per dim-0 shard of each parameter (``noise_shards``), from one
+generator per shard: an FSDP rank draws only its own shard's noise, and one
+process with ``noise_shards=N`` draws the same noise as N FSDP ranks.
+
+    python -m batchrules.examples.dp_sgd [--model transformer] [--ddp 2 | --fsdp 2]
+        [--logical-batch 256 --physical-batch 32] [--bf16] [--steps 30]
 """
 import argparse
-import os
-import socket
-import tempfile
-import time
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import Callable, Dict, List, Optional, Tuple
+import contextlib
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-import batchrules
+from batchrules.dp import clipped_grad_chunked
 
-AllReduce = Callable[[Tensor], None]
+Noise = Union[torch.Generator, Sequence[torch.Generator]]
+AllReduce = Callable[[Dict[str, Tensor]], Dict[str, Tensor]]
+VOCAB, TOKENS, CLASSES = 32, 12, 4
 
 
 @dataclass(frozen=True)
@@ -45,18 +56,50 @@ class DPConfig:
     delta: float = 1e-5
     examples: int = 1024
     seed: int = 0
+    model: str = "mlp"  # or "transformer"
+    physical_batch: Optional[int] = None  # chunk size of a logical batch; None: one chunk
+    bf16: bool = False  # the loss under autocast to bfloat16
+    dtype: torch.dtype = torch.float32
+    noise_shards: int = 1  # see the module docstring
+
+
+class TinyTransformer(nn.Module):
+    """Token embedding + learned positions, ``layers`` encoder layers
+    (pre-norm, dropout 0), mean pool, linear head. Takes ``[..., T]`` tokens."""
+
+    def __init__(self, d_model: int = 32, heads: int = 4, ff: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d_model)
+        self.pos = nn.Parameter(0.02 * torch.randn(TOKENS, d_model))
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(d_model, heads, ff, dropout=0.0, batch_first=True,
+                                       norm_first=True) for _ in range(layers))
+        self.head = nn.Linear(d_model, CLASSES)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens) + self.pos
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h.mean(-2))
 
 
 def make_data(config: DPConfig) -> Tuple[Tensor, Tensor]:
-    """Labels of a fixed random linear teacher on Gaussian inputs (4 classes)."""
+    """MLP: labels of a fixed random linear teacher on Gaussian inputs.
+    Transformer: random token sequences labelled by their most frequent token mod 4."""
     g = torch.Generator().manual_seed(config.seed)
-    x = torch.randn(config.examples, 20, generator=g)
-    return x, (x @ torch.randn(20, 4, generator=g)).argmax(1)
+    if config.model == "transformer":
+        tokens = torch.randint(0, VOCAB, (config.examples, TOKENS), generator=g)
+        counts = F.one_hot(tokens, VOCAB).sum(1)
+        return tokens, counts.argmax(1) % CLASSES
+    x = torch.randn(config.examples, 20, generator=g, dtype=config.dtype)
+    return x, (x @ torch.randn(20, 4, generator=g, dtype=config.dtype)).argmax(1)
 
 
 def make_model(config: DPConfig) -> nn.Module:
     torch.manual_seed(config.seed)
-    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
+    model = TinyTransformer() if config.model == "transformer" else \
+        nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
+    return model.to(config.dtype)
 
 
 def poisson_batch(config: DPConfig, generator: torch.Generator) -> Tensor:
@@ -64,24 +107,61 @@ def poisson_batch(config: DPConfig, generator: torch.Generator) -> Tensor:
     return (torch.rand(config.examples, generator=generator) < config.sample_rate).nonzero().flatten()
 
 
+def clipped_sums(model: nn.Module, params: Dict[str, Tensor], x: Tensor, y: Tensor,
+                 config: DPConfig) -> Tuple[Dict[str, Tensor], Tensor]:
+    """``batchrules.clipped_grad`` of the cross-entropy through ``model``
+    (used only for its architecture, by ``functional_call``) at ``params``,
+    in chunks of ``config.physical_batch`` samples."""
+    def loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        autocast = torch.autocast("cpu", torch.bfloat16) if config.bf16 else contextlib.nullcontext()
+        with autocast:
+            logits = functional_call(model, p, (xi,))
+        return F.cross_entropy(logits.to(config.dtype), yi)
+
+    chunk = config.physical_batch or max(len(x), 1)
+    return clipped_grad_chunked(loss, config.max_norm, chunk)(params, x, y)
+
+
+def noise_generators(config: DPConfig, shards: Sequence[int]) -> List[torch.Generator]:
+    """The generators of the given dim-0 shards of every parameter's noise."""
+    return [torch.Generator().manual_seed(config.seed + 2 + 1000 * s) for s in shards]
+
+
+def shard_rows(rows: int, shards: int, shard: int) -> int:
+    """Rows of shard ``shard`` when ``rows`` are split in ``shards`` as FSDP2
+    splits dim 0 (``torch.chunk``; trailing shards possibly empty)."""
+    per = -(-rows // shards)
+    return max(0, min(per, rows - shard * per))
+
+
+def draw_noise(shape: torch.Size, config: DPConfig, noise: Noise, first_shard: int = 0) -> Tensor:
+    """N(0, (sigma C)^2) noise of dim-0 shards ``first_shard, first_shard + 1, ...``
+    (one per generator; of ``config.noise_shards``) of a parameter of the full
+    ``shape``, concatenated along dim 0."""
+    generators = [noise] if isinstance(noise, torch.Generator) else list(noise)
+    std = config.noise_multiplier * config.max_norm
+    if len(shape) == 0 or config.noise_shards == 1:
+        return std * torch.randn(shape, generator=generators[0], dtype=config.dtype)
+    parts = [torch.randn((shard_rows(shape[0], config.noise_shards, first_shard + i), *shape[1:]),
+                         generator=g, dtype=config.dtype) for i, g in enumerate(generators)]
+    return std * torch.cat(parts)
+
+
 def dp_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor,
-            config: DPConfig, noise: Optional[torch.Generator],
+            config: DPConfig, noise: Optional[Noise],
             all_reduce: Optional[AllReduce] = None) -> Tensor:
     """One DP-SGD step on this process' share ``(x, y)`` of the batch; adds
-    noise only when given a ``noise`` generator. Returns the per-sample norms."""
-    def loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
-        return F.cross_entropy(functional_call(model, p, (xi,)), yi)
-
+    noise only when given ``noise`` generators (one, or one per noise shard).
+    ``all_reduce`` sums the noised sums over the ranks (one collective).
+    Returns the per-sample norms."""
     params = {k: p.detach() for k, p in model.named_parameters()}
-    sums, norms = batchrules.clipped_grad(loss, config.max_norm)(params, x, y)
-    std = config.noise_multiplier * config.max_norm
+    sums, norms = clipped_sums(model, params, x, y, config)
+    if noise is not None:
+        sums = {k: g + draw_noise(g.shape, config, noise) for k, g in sums.items()}
+    if all_reduce is not None:
+        sums = all_reduce(sums)
     for name, p in model.named_parameters():
-        g = sums[name]
-        if noise is not None:
-            g = g + std * torch.randn(p.shape, generator=noise, dtype=p.dtype).to(p.device)
-        if all_reduce is not None:
-            all_reduce(g)
-        p.grad = g / (config.sample_rate * config.examples)
+        p.grad = sums[name] / (config.sample_rate * config.examples)
     optimizer.step()
     return norms
 
@@ -96,85 +176,80 @@ def make_accountant():
 
 
 def train(config: DPConfig, model: Optional[nn.Module] = None, rank: int = 0, world: int = 1,
-          all_reduce: Optional[AllReduce] = None,
-          log: Callable[[str], None] = lambda line: None) -> Tuple[nn.Module, Optional[float]]:
-    """DP-SGD for ``config.steps`` steps; returns the model and epsilon (None without Opacus)."""
+          all_reduce: Optional[AllReduce] = None, log: Callable[[str], None] = lambda line: None,
+          step: Optional[Callable[[Tensor, Tensor], Tensor]] = None
+          ) -> Tuple[nn.Module, Optional[float]]:
+    """DP-SGD for ``config.steps`` steps; returns the model and epsilon (None
+    without Opacus). ``step(x, y) -> norms`` replaces ``dp_step`` with SGD
+    (FSDP's step, which draws its own shard's noise)."""
     x, y = make_data(config)
     model = model if model is not None else make_model(config)
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+    if step is None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+        # DDP: rank 0 alone adds the noise (all of its shards)
+        noise = noise_generators(config, range(config.noise_shards)) if rank == 0 else None
+
+        def sgd_step(xs: Tensor, ys: Tensor) -> Tensor:
+            return dp_step(model, optimizer, xs, ys, config, noise, all_reduce)
+        step = sgd_step
     sampler = torch.Generator().manual_seed(config.seed + 1)  # the same batches on every rank
-    noise = torch.Generator().manual_seed(config.seed + 2) if rank == 0 else None
     accountant = make_accountant()
-    for step in range(config.steps):
+    for i in range(config.steps):
         batch = poisson_batch(config, sampler)
         share = batch[rank::world]
-        norms = dp_step(model, optimizer, x[share], y[share], config, noise, all_reduce)
+        norms = step(x[share], y[share])
         if accountant is not None:
             accountant.step(noise_multiplier=config.noise_multiplier, sample_rate=config.sample_rate)
-        if step % 10 == 0 or step == config.steps - 1:
-            with torch.no_grad():
-                full_loss = F.cross_entropy(model(x), y).item()
-            clipped = int((norms > config.max_norm).sum())
-            log(f"step {step}: batch {len(batch)}, clipped {clipped}/{len(share)} here, "
-                f"loss {full_loss:.4f}")
+        if i % 10 == 0 or i == config.steps - 1:
+            log(f"step {i}: batch {len(batch)}, clipped "
+                f"{int((norms > config.max_norm).sum())}/{len(share)} here")
     epsilon = accountant.get_epsilon(delta=config.delta) if accountant is not None else None
     return model, epsilon
 
 
-# ---- distributed -------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ddp_worker(rank: int, world: int, port: int, config: DPConfig, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    try:
-        # DDP broadcasts rank 0's parameters; the clipped sums bypass its
-        # backward hooks, so they are all-reduced explicitly.
-        ddp = nn.parallel.DistributedDataParallel(make_model(config))
-        model, _ = train(config, ddp.module, rank, world, lambda t: dist.all_reduce(t))
-        torch.save(model.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def train_ddp(config: DPConfig, world: int = 2, timeout_s: float = 300.0) -> List[Dict[str, Tensor]]:
-    """``train`` on ``world`` gloo processes; returns every rank's final state dict."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(_ddp_worker, args=(world, _free_port(), config, out_dir),
-                                     nprocs=world, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        while not context.join(timeout=1.0):  # raises if a rank failed
-            if time.monotonic() > deadline:
-                for p in context.processes:
-                    p.kill()
-                raise TimeoutError(f"DP-SGD ranks still running after {timeout_s}s")
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+def config_from_args(args: argparse.Namespace) -> DPConfig:
+    config = DPConfig(steps=args.steps, model=args.model, bf16=args.bf16)
+    if args.logical_batch:
+        examples = max(config.examples, 4 * args.logical_batch)
+        config = replace(config, examples=examples, sample_rate=args.logical_batch / examples,
+                         physical_batch=args.physical_batch)
+    return config
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m batchrules.examples.dp_sgd")
-    parser.add_argument("--ddp", type=int, metavar="N", help="train on N gloo processes")
+    parser.add_argument("--model", choices=["mlp", "transformer"], default="mlp")
+    parser.add_argument("--ddp", type=int, metavar="N", help="also train on N gloo processes (DDP)")
+    parser.add_argument("--fsdp", type=int, metavar="N",
+                        help="also train sharded on N gloo processes (FSDP2)")
+    parser.add_argument("--logical-batch", type=int, metavar="N",
+                        help="expected (Poisson) batch size, run in physical chunks")
+    parser.add_argument("--physical-batch", type=int, default=32, metavar="M")
+    parser.add_argument("--bf16", action="store_true", help="the loss under bfloat16 autocast")
     parser.add_argument("--steps", type=int, default=DPConfig.steps)
     args = parser.parse_args(argv)
-    config = DPConfig(steps=args.steps)
+    config = config_from_args(args)
+    if args.fsdp:
+        config = replace(config, noise_shards=args.fsdp)
     model, epsilon = train(config, log=print)
+    with torch.no_grad():
+        x, y = make_data(config)
+        print(f"loss {F.cross_entropy(model(x), y).item():.4f} on all {config.examples} examples")
     if epsilon is None:
         print("epsilon: install opacus for its RDP accountant")
     else:
         print(f"epsilon {epsilon:.2f} at delta {config.delta:g} after {config.steps} steps "
-              f"(sigma {config.noise_multiplier}, q {config.sample_rate}, RDP accountant)")
-    if args.ddp:
-        states = train_ddp(config, args.ddp)
-        want = model.state_dict()
-        same = all(torch.allclose(s[k], want[k], rtol=1e-5, atol=1e-6) for s in states for k in want)
-        print(f"{args.ddp} DDP ranks match one process: {same}")
+              f"(sigma {config.noise_multiplier}, q {config.sample_rate:g}, RDP accountant)")
+    from . import dp_sgd_ranks
+
+    want = model.state_dict()
+    for flag, run in (("ddp", dp_sgd_ranks.train_ddp), ("fsdp", dp_sgd_ranks.train_fsdp)):
+        world = getattr(args, flag)
+        if world:
+            states = run(config, world)
+            same = all(torch.allclose(s[k], want[k], rtol=1e-4, atol=1e-5)
+                       for s in states for k in want)
+            print(f"{world} {flag.upper()} ranks match one process: {same}")
 
 
 if __name__ == "__main__":

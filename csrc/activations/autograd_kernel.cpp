@@ -20,7 +20,8 @@ void check_real_for_autograd(const char* op, const Tensor& t) {
               t.scalar_type(), ")");
 }
 
-Tensor activation_autograd(const Activation& act, c10::DispatchKeySet ks, const Tensor& self) {
+template <const Activation& act>
+Tensor activation_autograd(c10::DispatchKeySet ks, const Tensor& self) {
   const Tensor dx = tangent(self);
   NodePtr<ActivationBackward0> grad_fn;
   if (torch::autograd::compute_requires_grad(self)) {
@@ -49,8 +50,9 @@ Tensor activation_autograd(const Activation& act, c10::DispatchKeySet ks, const 
   return result;
 }
 
-Tensor activation_backward_autograd(const Activation& act, c10::DispatchKeySet ks,
-                                    const Tensor& grad_output, const Tensor& self) {
+template <const Activation& act>
+Tensor activation_backward_autograd(c10::DispatchKeySet ks, const Tensor& grad_output,
+                                    const Tensor& self) {
   const Tensor dg = tangent(grad_output), dx = tangent(self);
   NodePtr<ActivationBackwardBackward0> grad_fn;
   if (torch::autograd::compute_requires_grad(grad_output, self)) {
@@ -88,31 +90,14 @@ Tensor activation_backward_autograd(const Activation& act, c10::DispatchKeySet k
   return result;
 }
 
-Tensor silu_autograd(c10::DispatchKeySet ks, const Tensor& self) {
-  return activation_autograd(kSilu, ks, self);
-}
-
-Tensor silu_backward_autograd(c10::DispatchKeySet ks, const Tensor& grad_output,
-                              const Tensor& self) {
-  return activation_backward_autograd(kSilu, ks, grad_output, self);
-}
-
-Tensor mish_autograd(c10::DispatchKeySet ks, const Tensor& self) {
-  return activation_autograd(kMish, ks, self);
-}
-
-Tensor mish_backward_autograd(c10::DispatchKeySet ks, const Tensor& grad_output,
-                              const Tensor& self) {
-  return activation_backward_autograd(kMish, ks, grad_output, self);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(batchrules, Autograd, m) {
-  m.impl("silu", TORCH_FN(silu_autograd));
-  m.impl("silu_backward", TORCH_FN(silu_backward_autograd));
-  m.impl("mish", TORCH_FN(mish_autograd));
-  m.impl("mish_backward", TORCH_FN(mish_backward_autograd));
+#define BATCHRULES_REGISTER_ACTIVATION(name, Name, ...)                     \
+  m.impl(#name, TORCH_FN(activation_autograd<k##Name>));                    \
+  m.impl(#name "_backward", TORCH_FN(activation_backward_autograd<k##Name>));
+  BATCHRULES_ACTIVATIONS(BATCHRULES_REGISTER_ACTIVATION)
+#undef BATCHRULES_REGISTER_ACTIVATION
 }
 
 }  // namespace batchrules

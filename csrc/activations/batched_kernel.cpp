@@ -10,7 +10,8 @@ namespace batchrules {
 
 namespace {
 
-Tensor activation_batched(const Activation& act, const Tensor& self) {
+template <const Activation& act>
+Tensor activation_batched(const Tensor& self) {
   const BatchedKernelScope scope(act.name);
   const int64_t level = scope.level();
   if (!any_batched_at(level, self)) {
@@ -21,8 +22,8 @@ Tensor activation_batched(const Activation& act, const Tensor& self) {
   return wrap_at(out, out_bdim, level);
 }
 
-Tensor activation_backward_batched(const Activation& act, const Tensor& grad_output,
-                                   const Tensor& self) {
+template <const Activation& act>
+Tensor activation_backward_batched(const Tensor& grad_output, const Tensor& self) {
   const BatchedKernelScope scope(act.backward_name);
   const int64_t level = scope.level();
   if (!any_batched_at(level, grad_output, self)) {
@@ -34,29 +35,14 @@ Tensor activation_backward_batched(const Activation& act, const Tensor& grad_out
   return wrap_at(out, out_bdim, level);
 }
 
-Tensor silu_batched(const Tensor& self) {
-  return activation_batched(kSilu, self);
-}
-
-Tensor silu_backward_batched(const Tensor& grad_output, const Tensor& self) {
-  return activation_backward_batched(kSilu, grad_output, self);
-}
-
-Tensor mish_batched(const Tensor& self) {
-  return activation_batched(kMish, self);
-}
-
-Tensor mish_backward_batched(const Tensor& grad_output, const Tensor& self) {
-  return activation_backward_batched(kMish, grad_output, self);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(batchrules, FuncTorchBatched, m) {
-  m.impl("silu", TORCH_FN(silu_batched));
-  m.impl("silu_backward", TORCH_FN(silu_backward_batched));
-  m.impl("mish", TORCH_FN(mish_batched));
-  m.impl("mish_backward", TORCH_FN(mish_backward_batched));
+#define BATCHRULES_REGISTER_ACTIVATION(name, Name, ...)                    \
+  m.impl(#name, TORCH_FN(activation_batched<k##Name>));                    \
+  m.impl(#name "_backward", TORCH_FN(activation_backward_batched<k##Name>));
+  BATCHRULES_ACTIVATIONS(BATCHRULES_REGISTER_ACTIVATION)
+#undef BATCHRULES_REGISTER_ACTIVATION
 }
 
 }  // namespace batchrules

@@ -1,3 +1,5 @@
+// The activations' second derivatives, and their descriptors built from
+// activation_list.h.
 #include "activations/definitions.h"
 
 #include <ATen/ATen.h>
@@ -27,22 +29,31 @@ Tensor mish_times_second_derivative(const Tensor& grad, const Tensor& self) {
 
 }  // namespace
 
-const Activation kSilu{"batchrules.silu",
-                       "batchrules.silu_backward",
-                       "BatchrulesSiluBackward0",
-                       "BatchrulesSiluBackwardBackward0",
-                       /*supports_complex=*/true,
-                       &silu_op,
-                       &silu_backward_op,
-                       &silu_times_second_derivative};
+#define BATCHRULES_DEFINE_ACTIVATION(name, Name, supports_complex, formula)                 \
+  const Activation k##Name{                                                                \
+      #name,                                                                               \
+      "batchrules." #name,                                                                 \
+      "batchrules." #name "_backward",                                                     \
+      "Batchrules" #Name "Backward0",                                                      \
+      "Batchrules" #Name "BackwardBackward0",                                              \
+      supports_complex,                                                                    \
+      formula,                                                                             \
+      &name##_op,                                                                          \
+      &name##_backward_op,                                                                 \
+      [](const Tensor& self) { return at::name(self); },                                   \
+      [](const Tensor& grad_output, const Tensor& self) {                                  \
+        return at::name##_backward(grad_output, self);                                     \
+      },                                                                                   \
+      &name##_times_second_derivative};
+BATCHRULES_ACTIVATIONS(BATCHRULES_DEFINE_ACTIVATION)
+#undef BATCHRULES_DEFINE_ACTIVATION
 
-const Activation kMish{"batchrules.mish",
-                       "batchrules.mish_backward",
-                       "BatchrulesMishBackward0",
-                       "BatchrulesMishBackwardBackward0",
-                       /*supports_complex=*/false,
-                       &mish_op,
-                       &mish_backward_op,
-                       &mish_times_second_derivative};
+c10::ArrayRef<const Activation*> all_activations() {
+#define BATCHRULES_ACTIVATION_ADDRESS(name, Name, ...) &k##Name,
+  static const Activation* const activations[] = {
+      BATCHRULES_ACTIVATIONS(BATCHRULES_ACTIVATION_ADDRESS)};
+#undef BATCHRULES_ACTIVATION_ADDRESS
+  return activations;
+}
 
 }  // namespace batchrules

@@ -1,6 +1,6 @@
-// What each activation of the family is: its operators, names and second
-// derivative. Every kernel of the family is written once, over this
-// descriptor, and registered per activation.
+// What each activation of the family is: its operators, names, ATen kernels
+// and second derivative. Every kernel of the family is written once, over
+// this descriptor, and registered for each entry of activation_list.h.
 //
 // Note [One backward kernel per activation]
 // functorch's grad differentiates with create_graph=True, so aten::silu's
@@ -23,23 +23,36 @@
 // batchrules ops].
 #pragma once
 
+#include "activations/activation_list.h"
 #include "ops.h"
+
+#include <c10/util/ArrayRef.h>
 
 namespace batchrules {
 
 struct Activation {
+  const char* op_name;        // "silu": batchrules::silu, and the aten::silu it routes
   const char* name;           // "batchrules.silu", for messages
   const char* backward_name;  // "batchrules.silu_backward"
   const char* backward_node;         // autograd node of the forward op
   const char* double_backward_node;  // autograd node of the backward op
   bool supports_complex;             // forward kernels (as ATen's; never autograd)
+  const char* formula;               // f(input) in Python, for the docstrings
   const c10::TypedOperatorHandle<ActivationSig>& (*op)();
   const c10::TypedOperatorHandle<ActivationBackwardSig>& (*backward_op)();
+  // ATen's kernels of f(self) and grad_output * f'(self): at::<name>, at::<name>_backward.
+  Tensor (*aten_forward)(const Tensor& self);
+  Tensor (*aten_backward)(const Tensor& grad_output, const Tensor& self);
   // grad * f''(self), in differentiable aten ops (grad broadcasts with self).
   Tensor (*times_second_derivative)(const Tensor& grad, const Tensor& self);
 };
 
-extern const Activation kSilu;
-extern const Activation kMish;
+// kSilu, kMish, ...: one per entry of activation_list.h.
+#define BATCHRULES_DECLARE_ACTIVATION(name, Name, ...) extern const Activation k##Name;
+BATCHRULES_ACTIVATIONS(BATCHRULES_DECLARE_ACTIVATION)
+#undef BATCHRULES_DECLARE_ACTIVATION
+
+// All of them, in the list's order.
+c10::ArrayRef<const Activation*> all_activations();
 
 }  // namespace batchrules

@@ -1,28 +1,26 @@
-// aten::silu and aten::mish (F.silu, nn.SiLU, F.mish, nn.Mish) under
-// transforms run batchrules::silu / mish, whose backward is one kernel (see
-// Note [Routing aten ops only while transforms are active] and Note [One
-// backward kernel per activation]). The in-place aten::silu_ / mish_
-// (inplace=True) stay stock.
-#include "ops.h"
+// aten::<act> (F.silu, nn.SiLU, F.mish, nn.Mish, ...) under transforms runs
+// batchrules::<act>, whose backward is one kernel (see Note [Routing aten ops
+// only while transforms are active] and Note [One backward kernel per
+// activation]). The in-place aten::<act>_ (inplace=True) stay stock.
+#include "activations/definitions.h"
 #include "routing.h"
 
 namespace batchrules {
 
 namespace {
 
-Tensor routed_silu(const Tensor& self) {
-  return silu_op().call(self);
-}
-
-Tensor routed_mish(const Tensor& self) {
-  return mish_op().call(self);
+template <const Activation& act>
+Tensor routed_activation(const Tensor& self) {
+  return act.op().call(self);
 }
 
 }  // namespace
 
 void add_activation_routes(RouteLibraries& libs) {
-  libs.front_mode.impl("silu", TORCH_FN(routed_silu));
-  libs.front_mode.impl("mish", TORCH_FN(routed_mish));
+#define BATCHRULES_ROUTE_ACTIVATION(name, Name, ...) \
+  libs.front_mode.impl(#name, TORCH_FN(routed_activation<k##Name>));
+  BATCHRULES_ACTIVATIONS(BATCHRULES_ROUTE_ACTIVATION)
+#undef BATCHRULES_ROUTE_ACTIVATION
 }
 
 }  // namespace batchrules

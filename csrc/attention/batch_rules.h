@@ -44,7 +44,8 @@ BatchedTriple flash_attention_backward_batch_rule(
 
 // aten::_scaled_dot_product_efficient_attention (CUDA) -> (out, logsumexp,
 // philox_seed, philox_offset); replaces functorch's rule, which folds a
-// batched bias without aligning its batch to the query's (see routes.cpp).
+// batched bias without aligning its batch to the query's
+// (batch_rule_cuda_forward.cpp).
 BatchedQuad efficient_attention_batch_rule(const Tensor& query, Bdim query_bdim,
                                            const Tensor& key, Bdim key_bdim,
                                            const Tensor& value, Bdim value_bdim,

@@ -16,7 +16,7 @@
 // picks the fused kernel, so first-order flows keep the fused kernels. The
 // route runs before any transform layer, as functorch's own decompositions at
 // this key do.
-#include "attention/batched_kernels.h"
+#include "attention/batched_kernel.h"
 #include "routing.h"
 
 #include <ATen/functorch/DynamicLayer.h>

@@ -6,8 +6,10 @@
 // FuncTorchBatched for the calls it makes, find the current vmap level, fall
 // through when nothing is batched at that level, unwrap the arguments to
 // physical tensors and batch dims, run the rule, and wrap its outputs again.
-// Kernels for aten ops without a functorch batching rule use the same
-// plumbing (see routing.cpp).
+// Every family's batched_kernel.cpp is written with it: the kernels of our
+// own operators (linear/, activations/) and those for aten's ops (losses/,
+// attention/, which routes.cpp registers while routing is on); see
+// csrc/README.md.
 #pragma once
 
 #include "common/batching_utils.h"

@@ -1,7 +1,7 @@
 // vmap batching rules for the aten loss ops, in functorch's style: physical
 // tensors with their optional batch dim in, (result, bdim) out. They replace
 // functorch's Python decompositions (and its huber_loss rule) while routing
-// is on (routes.cpp).
+// is on (batched_kernel.cpp, registered by routes.cpp).
 #pragma once
 
 #include "common/batching_utils.h"

@@ -1,11 +1,11 @@
 """How should Inductor see batchrules.linear? Measures the two choices.
 
-``python -m batchrules.compile_bench [--device cuda] [--quick] [--out FILE.json]``
+``python -m batchrules.bench.compile_ops [--device cuda] [--quick] [--out FILE.json]``
 
 Times one training step (forward + backward) of a 3-layer ReLU MLP of
 ``batchrules.linear`` per (batch, width), for: eager; ``torch.compile`` with the
 ops as extern kernels; ``torch.compile`` with them decomposed to aten (the
-default, see ``batchrules.decompositions``); and ``torch.compile`` of the same
+default, see ``batchrules.compile``); and ``torch.compile`` of the same
 MLP with ``F.linear`` as the reference. Compile caches are disabled so each
 variant really compiles with its own setting.
 """
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import batchrules
-from batchrules import decompositions
+from batchrules import compile as compile_hooks
 
 
 def mlp(linear: Callable[..., Tensor]) -> Callable[[Tensor, List[Tensor], List[Tensor]], Tensor]:
@@ -76,9 +76,9 @@ def median_ms(step: Callable[..., None], args: tuple, device: str, reps: int) ->
 def compiled_step(linear: Callable[..., Tensor], decompose: bool, args: tuple) -> Callable:
     """Compile (and run once, compiling the backward too) with decompositions on/off."""
     step = train_step(torch.compile(mlp(linear), fullgraph=True, dynamic=False))
-    was_registered = decompositions.decompositions_registered()
-    (decompositions.register_decompositions if decompose
-     else decompositions.unregister_decompositions)()
+    was_registered = compile_hooks.decompositions_registered()
+    (compile_hooks.register_decompositions if decompose
+     else compile_hooks.unregister_decompositions)()
     try:
         with torch._inductor.config.patch(force_disable_caches=True), \
                 torch._functorch.config.patch(enable_autograd_cache=False), \
@@ -86,8 +86,8 @@ def compiled_step(linear: Callable[..., Tensor], decompose: bool, args: tuple) -
             warnings.filterwarnings("ignore", message=".*force disabled by")
             step(*args)
     finally:
-        (decompositions.register_decompositions if was_registered
-         else decompositions.unregister_decompositions)()
+        (compile_hooks.register_decompositions if was_registered
+         else compile_hooks.unregister_decompositions)()
     return step
 
 

@@ -1,5 +1,17 @@
-"""How ``torch.compile`` sees the batchrules operators.
+"""How ``torch.compile`` sees batchrules: every compile hook, in one place.
 
+- ``batchrules.linear``'s C entry is traced as the operator it stands for
+  (``register_linear_polyfill``);
+- AOTAutograd decomposes the batchrules operators (``register_decompositions``,
+  below);
+- ``clipped_grad`` runs eagerly, outside the graph (``eager_under_compile``).
+
+``install()`` (run by ``import batchrules``) registers the first two; the
+Dynamo parts wait for ``torch._dynamo``'s import (Note [Registering with
+optional torch subsystems lazily]), which costs most of a second.
+
+Decompositions
+--------------
 Dynamo needs nothing from us: the kernels are CompositeExplicitAutograd and
 SymInt-aware, so FakeTensor (static or dynamic shapes) runs the real C++ kernel,
 shape checks included, and AOTAutograd traces through the C++ autograd nodes.
@@ -13,7 +25,7 @@ What remains is the choice of what the backend receives:
   ``aten.silu_backward``, ...), so Inductor sees plain GEMMs it can fuse
   around and pick templates for, and pointwise ops it fuses.
 
-We decompose. ``python -m batchrules.compile_bench`` times a training step
+We decompose. ``python -m batchrules.bench.compile_ops`` times a training step
 (fwd + bwd) of a 3-layer ReLU MLP, batch x width, each variant really compiled
 (caches off); CPU, 1 thread, best of 3 medians of 15 steps, on a 2-core
 machine (noise about 3% at the GEMM-bound large sizes):
@@ -53,7 +65,9 @@ Consequences: ``torch.export.export`` keeps ``batchrules.linear`` in its
 the decomposition: changed kernels (a batchrules upgrade) are only seen in
 compiled code after clearing Inductor's cache directory.
 """
-from typing import Any, Optional, Tuple
+import functools
+from types import ModuleType
+from typing import Any, Callable, Optional, Tuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -61,8 +75,58 @@ from torch._C import DispatchKey
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-OPS = ("batchrules::linear", "batchrules::linear_backward", "batchrules::silu",
-       "batchrules::silu_backward", "batchrules::mish", "batchrules::mish_backward")
+from . import _C
+from ._post_import import when_imported
+from .activations import ACTIVATIONS
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Every batchrules operator: each has a CompositeExplicitAutograd kernel to trace.
+OPS: Tuple[str, ...] = ("batchrules::linear", "batchrules::linear_backward") + tuple(
+    f"batchrules::{name}{suffix}" for name in ACTIVATIONS for suffix in ("", "_backward"))
+
+
+def install() -> None:
+    """The compile hooks of ``import batchrules``: the decompositions now, the
+    linear polyfill once ``torch._dynamo`` is imported."""
+    register_decompositions()
+    when_imported("torch._dynamo", register_linear_polyfill)
+
+
+def register_linear_polyfill(dynamo: ModuleType) -> None:
+    """Has torch.compile trace the C entry of ``batchrules.linear`` as the
+    operator it stands for (Note [Eager entry of batchrules.linear] in
+    csrc/python_module.cpp)."""
+    linear = torch.ops.batchrules.linear.default
+
+    @dynamo.substitute_in_graph(_C.linear, skip_signature_check=True)
+    def _linear_polyfill(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        return linear(input, weight, bias)
+
+
+def eager_under_compile(fn: F) -> F:
+    """Decorator: ``torch.compile`` never traces ``fn``; a compiled function
+    calling it breaks its graph there and runs ``fn`` eagerly.
+
+    For functions Dynamo cannot trace, such as ``clipped_grad``'s body (its
+    TorchFunctionMode, its own vmap levels and ``autograd.grad``). That is
+    ``torch._dynamo.disable(fn)``, but importing Dynamo costs most of a second,
+    so the decorated function calls ``fn`` itself until ``torch._dynamo`` is
+    imported (nothing compiles before), and ``disable(fn)`` from then on.
+    """
+    run: Callable[..., Any] = fn
+
+    def disable_in_dynamo(dynamo: ModuleType) -> None:
+        nonlocal run
+        run = dynamo.disable(fn)
+
+    when_imported("torch._dynamo", disable_in_dynamo)
+
+    @functools.wraps(fn)
+    def eager(*args: Any, **kwargs: Any) -> Any:
+        return run(*args, **kwargs)
+
+    return eager  # type: ignore[return-value]
 
 
 def _plain(types: Tuple[type, ...]) -> bool:

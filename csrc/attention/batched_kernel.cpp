@@ -1,7 +1,7 @@
-// See batched_kernels.h. Each kernel falls through to the op when nothing is
+// See batched_kernel.h. Each kernel falls through to the op when nothing is
 // batched at the current level; call-wide tensors (philox seed/offset,
 // cum_seq_q/k) must not be batched.
-#include "attention/batched_kernels.h"
+#include "attention/batched_kernel.h"
 
 #include "attention/batch_rules.h"
 #include "common/vmap_plumbing.h"

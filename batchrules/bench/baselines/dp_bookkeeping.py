@@ -11,7 +11,7 @@ from typing import List, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .limits import Layer, activation_backward, mlp_forward_recorded
+from .hand_written import Layer, activation_backward, mlp_forward_recorded
 
 
 def mlp_bookkeeping(layers: Sequence[Layer], act: str, x: Tensor, y: Tensor,

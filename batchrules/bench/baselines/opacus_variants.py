@@ -3,25 +3,32 @@ import contextlib
 import copy
 import importlib
 import warnings
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from .case import Variant
+from ..case import CaseSetup, Variant
 
 
 def opacus_missing_reason() -> Optional[str]:
-    """None when Opacus can be used, else a note saying why the variant is skipped."""
+    """None when Opacus can be used, else why its variants are skipped."""
     try:
         importlib.import_module("opacus")
     except ImportError as exc:
-        return (
-            f"opacus not importable ({exc}); the opacus rows are skipped. "
-            "Install it with `pip install opacus` (its deps are scipy and opt_einsum; "
-            "check with --dry-run that it leaves torch alone)"
-        )
+        return f"opacus not importable ({exc})"
     return None
+
+
+def with_opacus(setup: CaseSetup, names: Sequence[str], build: Callable[[], List[Variant]]) -> CaseSetup:
+    """Adds the Opacus variants ``build`` makes or, when Opacus is missing, marks
+    ``names`` skipped with the reason."""
+    reason = opacus_missing_reason()
+    if reason is None:
+        setup.variants.extend(build())
+    else:
+        setup.skipped.update(dict.fromkeys(names, reason))
+    return setup
 
 
 @contextlib.contextmanager
@@ -33,14 +40,20 @@ def quiet_input_hooks() -> Iterator[None]:
         yield
 
 
+def release(params: Iterable[nn.Parameter]) -> None:
+    """Drops the parameters' gradients so that, as for the other variants, the
+    caller holds the only copy of a step's result between steps."""
+    for p in params:
+        p.grad_sample = None
+        p.grad = None
+
+
 def opacus_variant(
     model: nn.Module, x: Tensor, y: Tensor, loss_sum: Callable[[Tensor, Tensor], Tensor]
-) -> Optional[Variant]:
+) -> Variant:
     """Per-sample gradients the Opacus way: forward the batch, backward a summed
     loss, read ``p.grad_sample``. ``loss_sum`` must reduce by sum, so that each
-    sample's gradient is that of its own loss. None when Opacus is missing."""
-    if opacus_missing_reason() is not None:
-        return None
+    sample's gradient is that of its own loss."""
     from opacus import GradSampleModule
 
     module = GradSampleModule(copy.deepcopy(model), batch_first=True, loss_reduction="sum")
@@ -50,11 +63,43 @@ def opacus_variant(
         with quiet_input_hooks():
             loss_sum(module(x), y).backward()
         grads = [p.grad_sample for p in params]
-        # Release the module's references so that, as for the other variants,
-        # the caller holds the only copy of the result between steps.
-        for p in params:
-            p.grad_sample = None
-            p.grad = None
+        release(params)
+        return grads
+
+    return Variant("opacus", step)
+
+
+def opacus_encoder_variant(model: nn.Module, seq_first: nn.Module, x: Tensor, y: Tensor) -> Variant:
+    """Per-sample gradients of a batch-first nn.TransformerEncoderLayer ``model``
+    with Opacus' DPMultiheadAttention (ModuleValidator.fix); gradients of the
+    split q/k/v projections are concatenated back into in_proj's layout.
+
+    Runs ``seq_first``, the same layer built with batch_first=False, holding
+    ``model``'s weights: Opacus 1.6's DPMultiheadAttention with batch_first=True
+    merges the heads in the wrong order (its output differs from
+    nn.MultiheadAttention's), sequence-first it computes the same function."""
+    from opacus import GradSampleModule
+    from opacus.validators import ModuleValidator
+
+    seq_first.load_state_dict(model.state_dict())
+    fixed = ModuleValidator.fix(seq_first)
+    module = GradSampleModule(fixed, batch_first=False, loss_reduction="sum")
+    mha = fixed.self_attn
+    split_w = [mha.qlinear.weight, mha.klinear.weight, mha.vlinear.weight]
+    split_b = [mha.qlinear.bias, mha.klinear.bias, mha.vlinear.bias]
+    ordered = [mha.out_proj.weight, mha.out_proj.bias, fixed.linear1.weight, fixed.linear1.bias,
+               fixed.linear2.weight, fixed.linear2.bias, fixed.norm1.weight, fixed.norm1.bias,
+               fixed.norm2.weight, fixed.norm2.bias]
+    x_t, y_t = x.transpose(0, 1), y.transpose(0, 1)  # T, B, d
+
+    def step() -> List[Tensor]:
+        with quiet_input_hooks():
+            # per-sample mean squared error, summed: each sample's gradient is its own
+            (module(x_t) - y_t).pow(2).mean(dim=(0, 2)).sum().backward()
+        grads = [torch.cat([w.grad_sample for w in split_w], dim=1),
+                 torch.cat([b.grad_sample for b in split_b], dim=1)]
+        grads += [p.grad_sample for p in ordered]
+        release(module.parameters())
         return grads
 
     return Variant("opacus", step)
@@ -64,7 +109,7 @@ def cross_entropy_sum(out: Tensor, target: Tensor) -> Tensor:
     return torch.nn.functional.cross_entropy(out, target, reduction="sum")
 
 
-# ---- DP-SGD clipping (scenarios_dp) --------------------------------------------------
+# ---- DP-SGD clipping (scenarios/dp_step.py) --------------------------------------------------
 
 def _opacus_ready(model: nn.Module) -> Tuple[nn.Module, Callable[[List[Tensor]], List[Tensor]]]:
     """A copy of the model as an Opacus user trains it: ModuleValidator.fix
@@ -116,13 +161,11 @@ def _own_reference(variant: Variant, model: nn.Module, fixed: nn.Module,
 def opacus_clip_variant(
     model: nn.Module, x: Tensor, y: Tensor, loss_sum: Callable[[Tensor, Tensor], Tensor],
     max_norm: float, reference_of: Reference,
-) -> Optional[Variant]:
+) -> Variant:
     """``opacus_hooks``: GradSampleModule's per-sample gradients, then the
     clipping of Opacus' DPOptimizer.clip_and_accumulate (norm over all
     parameters, factor min(1, C / (norm + 1e-6)), einsum). Returns the clipped
-    sums and the norms. None when Opacus is missing."""
-    if opacus_missing_reason() is not None:
-        return None
+    sums and the norms."""
     from opacus import GradSampleModule
 
     fixed, to_model_order = _opacus_ready(model)
@@ -138,9 +181,7 @@ def opacus_clip_variant(
         norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in samples], 1).norm(2, dim=1)
         factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)
         sums = [torch.einsum("i,i...", factor, g) for g in samples]
-        for p in params:
-            p.grad_sample = None
-            p.grad = None
+        release(params)
         return [*to_model_order(sums), norms]
 
     variant.fn = step
@@ -150,15 +191,13 @@ def opacus_clip_variant(
 def opacus_ghost_variant(
     model: nn.Module, x: Tensor, y: Tensor, criterion_sum: nn.Module, max_norm: float,
     reference_of: Reference,
-) -> Optional[Variant]:
+) -> Variant:
     """``opacus_ghost``: what ``make_private(..., grad_sample_mode="ghost")``
     runs: GradSampleModuleFastGradientClipping, DPOptimizerFastGradientClipping
     and DPLossFastGradientClipping, whose ``backward()`` is two backward passes
     (norms from the hooks, then the loss reweighted by the clipping factors).
     Returns the parameters' ``.grad`` (the clipped sums; no noise) and the
-    norms. None when Opacus is missing."""
-    if opacus_missing_reason() is not None:
-        return None
+    norms."""
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping

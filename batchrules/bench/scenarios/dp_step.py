@@ -5,13 +5,17 @@ Variants of one step (max_norm 1, cross-entropy per sample):
   clipped_grad        batchrules.clipped_grad: one forward, one backward
   opacus_hooks        Opacus GradSampleModule, then DPOptimizer's clipping
   opacus_ghost        Opacus ghost clipping (make_private(grad_sample_mode="ghost"))
-  limit               hand-written book-keeping (MLP only, limits_dp.py)
+  limit               hand-written book-keeping (MLP only, baselines/dp_bookkeeping.py)
   nonprivate          forward + backward of the summed loss: the summed
                       gradients (checked against its own reference)
 Each returns the clipped sums (parameter order) then the norms, checked
-against a float64 per-sample loop.
+against a float64 per-sample loop. Targets: clipped_grad within 1.2x of the
+non-private step (where the step is large enough for the fixed costs not to
+dominate), 1.5x faster than Opacus ghost clipping, 20x faster than stock
+vmap(grad)+clip at MLP batch 128, and within 1.3x of the non-private step's
+peak memory.
 """
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -19,10 +23,12 @@ from torch.func import functional_call, grad, vmap
 
 import batchrules
 
-from .case import Case, CaseSetup, Variant, vmap_identity
-from .limits_dp import mlp_bookkeeping
-from .models import MlpSpec, cross_entropy, detached_params, in_float64, mlp, small_cnn
-from .opacus_variant import cross_entropy_sum, opacus_clip_variant, opacus_ghost_variant
+from ..case import Case, CaseSetup, Variant, vmap_identity
+from ..baselines.dp_bookkeeping import mlp_bookkeeping
+from ..baselines.opacus_variants import (cross_entropy_sum, opacus_clip_variant, opacus_ghost_variant,
+                                         with_opacus)
+from ..models import MlpSpec, cross_entropy, detached_params, in_float64, mlp, small_cnn
+from ..targets import PeakMemory, Speedup, Target
 
 MAX_NORM = 1.0
 # Smooth activations (SiLU, GELU): at a ReLU's kink, float32 rounding of a
@@ -33,7 +39,7 @@ MAX_NORM = 1.0
 MLP_SPEC = MlpSpec((784, 512, 512, 10), "silu")
 # (batch, tier, modes)
 MLP_BATCHES = ((8, "small", {"smoke"}), (32, "medium", {"quick", "full"}),
-               (128, "large", {"quick", "full"}), (512, "large", {"full"}))
+               (128, "large", {"headline", "quick", "full"}), (512, "large", {"full"}))
 CNN_BATCHES = ((8, "small", {"smoke"}), (32, "medium", {"quick", "full"}), (128, "large", {"full"}))
 # ((d_model, heads, feed-forward width, tokens per sample), batch, tier, modes): the
 # fixed cost of a step weighs most on the smallest layer
@@ -112,16 +118,33 @@ def _dp_setup(model: nn.Module, x: Tensor, y: Tensor,
     ]
     if limit is not None:
         variants.append(Variant("limit", limit))
+
     def reference_of(m: nn.Module) -> List[Tensor]:
         return loop_reference(m, x, y)
 
-    for opacus in (opacus_clip_variant(model, x, y, cross_entropy_sum, MAX_NORM, reference_of),
-                   opacus_ghost_variant(model, x, y, nn.CrossEntropyLoss(reduction="sum"),
-                                        MAX_NORM, reference_of)):
-        if opacus is not None:
-            variants.append(opacus)
-    return CaseSetup(variants, reference=lambda: loop_reference(model, x, y),
-                     floor=vmap_identity((None, 0, 0), (params, x, y), returned=0))
+    setup = CaseSetup(variants, reference=lambda: loop_reference(model, x, y),
+                      floor=vmap_identity((None, 0, 0), (params, x, y), returned=0))
+    return with_opacus(setup, ["opacus_hooks", "opacus_ghost"], lambda: [
+        opacus_clip_variant(model, x, y, cross_entropy_sum, MAX_NORM, reference_of),
+        opacus_ghost_variant(model, x, y, nn.CrossEntropyLoss(reduction="sum"), MAX_NORM, reference_of),
+    ])
+
+
+NEAR_NONPRIVATE = Speedup("DP: clipped_grad <= 1.2x the non-private step (nonprivate / clipped_grad >= 0.83)",
+                          "nonprivate", "clipped_grad", 1 / 1.2)
+VS_GHOST = Speedup("DP: clipped_grad >= 1.5x faster than Opacus ghost clipping",
+                   "opacus_ghost", "clipped_grad", 1.5)
+VS_STOCK = Speedup("DP: clipped_grad >= 20x faster than vmap(grad)+clip (stock)",
+                   "stock", "clipped_grad", 20.0)
+PEAK_MEMORY = PeakMemory("DP: clipped_grad peak memory <= 1.3x the non-private step's "
+                         "(nonprivate / clipped_grad >= 0.77)", "nonprivate", "clipped_grad", 1 / 1.3)
+
+
+def _targets(near_nonprivate: bool, vs_stock: bool = False) -> Sequence[Target]:
+    """Every DP row: vs ghost clipping and peak memory; the step-time target
+    against the non-private step where asked (MLP batch >= 128, transformer)."""
+    return [*([NEAR_NONPRIVATE] if near_nonprivate else []), VS_GHOST,
+            *([VS_STOCK] if vs_stock else []), PEAK_MEMORY]
 
 
 def _mlp_case(batch: int, tier: str) -> Case:
@@ -140,7 +163,7 @@ def _mlp_case(batch: int, tier: str) -> Case:
 
     return Case("dp_mlp", f"b{batch}", tier, MLP_SPEC.n_linears,
                 f"DP-SGD clipping, MLP {MLP_SPEC.sizes} {MLP_SPEC.act}, cross-entropy, batch {batch}",
-                build)
+                build, _targets(near_nonprivate=batch >= 128, vs_stock=batch == 128))
 
 
 def _cnn_case(batch: int, tier: str) -> Case:
@@ -151,7 +174,8 @@ def _cnn_case(batch: int, tier: str) -> Case:
         return _dp_setup(model, x, y)
 
     return Case("dp_cnn", f"b{batch}", tier, 2,
-                f"DP-SGD clipping, CNN conv5x16-conv5x32-fc64-fc10 on 28x28, batch {batch}", build)
+                f"DP-SGD clipping, CNN conv5x16-conv5x32-fc64-fc10 on 28x28, batch {batch}", build,
+                _targets(near_nonprivate=False))
 
 
 def _encoder_case(config: Tuple[int, int, int, int], batch: int, tier: str) -> Case:
@@ -165,7 +189,8 @@ def _encoder_case(config: Tuple[int, int, int, int], batch: int, tier: str) -> C
 
     return Case("dp_transformer", f"d{d_model}t{tokens}_b{batch}", tier, 5,
                 f"DP-SGD clipping, TransformerEncoderLayer(d={d_model}, heads={heads}, ff={ff}, gelu) "
-                f"over {tokens} tokens + linear head, batch {batch}", build)
+                f"over {tokens} tokens + linear head, batch {batch}", build,
+                _targets(near_nonprivate=True))
 
 
 def cases(mode: str) -> List[Case]:

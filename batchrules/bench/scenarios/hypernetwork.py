@@ -1,4 +1,4 @@
-"""Scenario 4: per-sample weights, as a hypernetwork produces them.
+"""Per-sample weights, as a hypernetwork produces them.
 
 The target network is two linears whose weights and biases differ per sample
 (``vmap(target)(x, W1, b1, W2, b2)``); the weights are leaves standing in for
@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.func import vmap
 
-from . import limits
-from .case import Case, CaseSetup, Variant, vmap_identity
+from ..baselines import hand_written
+from ..case import Case, CaseSetup, Variant, vmap_identity
+from ..targets import transform_targets
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def _case(size: HyperSize, backward: bool) -> Case:
             variants=[
                 Variant("stock", user_code, routing=False, user_code=True),
                 Variant("batchrules", user_code, routing=True, user_code=True),
-                Variant("limit", run(limits.per_sample_weights_forward)),
+                Variant("limit", run(hand_written.per_sample_weights_forward)),
             ],
             reference=reference,
             floor=vmap_identity((0,) * len(inputs), inputs, returned=0),
@@ -99,10 +100,13 @@ def _case(size: HyperSize, backward: bool) -> Case:
             f"per-sample weights {i}-{h}-{o}, batch {size.batch} x {size.rows} rows, {what}"
         ),
         build=build,
+        targets=transform_targets(size.tier),
     )
 
 
 def cases(mode: str) -> List[Case]:
     """Per-sample-weight cases, forward and forward+backward, for a mode."""
+    if mode == "headline":
+        return [_case(SIZES[1], backward=True)]  # the training step, medium
     chosen = [s for s in SIZES if mode in s.modes]
     return [_case(s, backward=False) for s in chosen] + [_case(s, backward=True) for s in chosen]

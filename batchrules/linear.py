@@ -1,5 +1,5 @@
-"""Typed Python entry points of the batchrules operators."""
-from types import ModuleType
+"""Typed Python entry points of the linear operators: ``batchrules.linear`` and
+``batchrules.linear_backward``."""
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -7,7 +7,6 @@ from torch import Tensor
 
 from . import _C
 
-_linear = torch.ops.batchrules.linear.default
 _linear_backward = torch.ops.batchrules.linear_backward.default
 
 
@@ -24,20 +23,9 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
         weight: ``(out_features, in_features)`` or ``(in_features,)``.
         bias: optional, broadcastable to the output ``(*, out_features)``.
     """
-    # See Note [Eager entry of batchrules.linear] (csrc/python_module.cpp).
+    # See Note [Eager entry of batchrules.linear] (csrc/python_module.cpp);
+    # torch.compile traces it as the operator (batchrules/compile.py).
     return _C.linear(input, weight, bias)
-
-
-def register_compile_polyfill(dynamo: ModuleType) -> None:
-    """Has torch.compile trace the C entry as the operator it stands for.
-
-    Registered once ``torch._dynamo`` is imported (see Note [Registering with
-    optional torch subsystems lazily]): importing dynamo costs most of a second.
-    """
-
-    @dynamo.substitute_in_graph(_C.linear, skip_signature_check=True)
-    def _linear_polyfill(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-        return _linear(input, weight, bias)
 
 
 def linear_backward(

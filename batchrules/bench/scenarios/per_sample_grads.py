@@ -1,18 +1,20 @@
-"""Scenario 3: per-sample gradients, vmap(grad(loss), in_dims=(None, 0, 0))."""
+"""Per-sample gradients, vmap(grad(loss), in_dims=(None, 0, 0)), against
+Opacus' hooks and hand-written code (MLP, CNN)."""
 from typing import Callable, Dict, List
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from . import limits
-from .case import Case, CaseSetup, Variant, vmap_identity
-from .models import MlpSpec, cross_entropy, detached_params, in_float64, mlp, small_cnn
-from .opacus_variant import cross_entropy_sum, opacus_variant
+from ..baselines import hand_written
+from ..case import Case, CaseSetup, Variant, vmap_identity
+from ..models import MlpSpec, cross_entropy, detached_params, in_float64, mlp, small_cnn
+from ..baselines.opacus_variants import cross_entropy_sum, opacus_variant, with_opacus
+from ..targets import FASTER_THAN_OPACUS, Target, transform_targets
 
 MLP_SPEC = MlpSpec((784, 512, 512, 10))
 # (batch, tier, modes)
-MLP_BATCHES = ((8, "small", {"smoke", "quick", "full"}), (32, "medium", {"quick", "full"}),
+MLP_BATCHES = ((8, "small", {"smoke", "quick", "full"}), (32, "medium", {"headline", "quick", "full"}),
                (128, "large", {"quick", "full"}))
 CNN_BATCHES = ((8, "small", {"smoke", "quick", "full"}), (32, "medium", {"quick", "full"}),
                (128, "large", {"full"}))
@@ -47,11 +49,13 @@ def _psg_setup(
         Variant("batchrules", user_code, routing=True, user_code=True),
         Variant("limit", lambda: limit(params)),
     ]
-    opacus = opacus_variant(model, x, y, cross_entropy_sum)
-    if opacus is not None:
-        variants.append(opacus)
-    return CaseSetup(variants, reference=lambda: per_sample_loop(model, x, y),
-                     floor=vmap_identity((None, 0, 0), (params, x, y), returned=0))
+    setup = CaseSetup(variants, reference=lambda: per_sample_loop(model, x, y),
+                      floor=vmap_identity((None, 0, 0), (params, x, y), returned=0))
+    return with_opacus(setup, ["opacus"], lambda: [opacus_variant(model, x, y, cross_entropy_sum)])
+
+
+def _targets(tier: str) -> List[Target]:
+    return [*transform_targets(tier), FASTER_THAN_OPACUS]
 
 
 def _mlp_case(batch: int, tier: str) -> Case:
@@ -62,12 +66,13 @@ def _mlp_case(batch: int, tier: str) -> Case:
 
         def limit(p: Dict[str, Tensor]) -> List[Tensor]:
             layers = [tuple(p[k] for k in MLP_SPEC.param_keys(i)) for i in range(MLP_SPEC.n_linears)]
-            return limits.mlp_per_sample_grads(layers, MLP_SPEC.act, x, y)
+            return hand_written.mlp_per_sample_grads(layers, MLP_SPEC.act, x, y)
 
         return _psg_setup(model, x, y, limit)
 
     return Case("psg_mlp", f"b{batch}", tier, MLP_SPEC.n_linears,
-                f"per-sample grads, MLP {MLP_SPEC.sizes}, cross-entropy, batch {batch}", build)
+                f"per-sample grads, MLP {MLP_SPEC.sizes}, cross-entropy, batch {batch}", build,
+                _targets(tier))
 
 
 def _cnn_case(batch: int, tier: str) -> Case:
@@ -75,10 +80,11 @@ def _cnn_case(batch: int, tier: str) -> Case:
         model = small_cnn().to(device)
         x = torch.randn(batch, 1, 28, 28, device=device)
         y = torch.randint(0, 10, (batch,), device=device)
-        return _psg_setup(model, x, y, lambda p: limits.cnn_per_sample_grads(p, x, y))
+        return _psg_setup(model, x, y, lambda p: hand_written.cnn_per_sample_grads(p, x, y))
 
     return Case("psg_cnn", f"b{batch}", tier, 2,
-                f"per-sample grads, CNN conv5x16-conv5x32-fc64-fc10 on 28x28, batch {batch}", build)
+                f"per-sample grads, CNN conv5x16-conv5x32-fc64-fc10 on 28x28, batch {batch}", build,
+                _targets(tier))
 
 
 def cases(mode: str) -> List[Case]:

@@ -1,0 +1,2 @@
+"""What the bench measures batchrules against besides stock torch.func: the
+hand-written limits (what an expert writes without vmap) and Opacus."""

@@ -1,0 +1,15 @@
+"""The bench's scenarios. Each module's ``cases(mode)`` returns its cases for a
+mode (``case.MODES``), each with the targets the scenario sets for it."""
+from typing import List
+
+from ..case import Case
+from . import (dp_step, eager_activations, eager_linear, ensembles, hypernetwork, loss_grads,
+               per_sample_grads, transformer)
+
+# In the order the table shows them.
+MODULES = (ensembles, per_sample_grads, hypernetwork, eager_linear, transformer, loss_grads, dp_step,
+           eager_activations)
+
+
+def all_cases(mode: str) -> List[Case]:
+    return [case for module in MODULES for case in module.cases(mode)]

@@ -1,0 +1,113 @@
+"""Attention under transforms: one nn.TransformerEncoderLayer (d_model 64,
+4 heads, T 32, dropout 0, batch-first): per-sample gradients and a 4-member
+ensemble training step, against a hand-written stacked layer
+(``baselines/hand_written_transformer.py``) and, for per-sample gradients,
+Opacus' DPMultiheadAttention.
+"""
+from typing import Dict, List
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from ..baselines import hand_written_transformer
+from ..baselines.opacus_variants import opacus_encoder_variant, with_opacus
+from ..case import Case, CaseSetup, Variant, vmap_identity
+from ..models import detached_params, in_float64, mse, stacked_ensemble
+from ..targets import FASTER_THAN_OPACUS, transform_targets
+
+D_MODEL, NHEAD, FFN, SEQ = 64, 4, 128, 32
+MEMBERS = 4
+# (batch, tier, modes)
+PSG_BATCHES = ((8, "small", {"smoke", "headline", "quick", "full"}), (32, "medium", {"quick", "full"}))
+ENSEMBLE_BATCHES = ((8, "small", {"smoke", "quick", "full"}), (32, "medium", {"quick", "full"}))
+N_LINEARS = 4  # in_proj, out_proj, linear1, linear2
+
+
+def encoder(batch_first: bool = True) -> nn.Module:
+    return nn.TransformerEncoderLayer(D_MODEL, NHEAD, dim_feedforward=FFN, dropout=0.0,
+                                      batch_first=batch_first)
+
+
+def _psg_case(batch: int, tier: str) -> Case:
+    def build(device: torch.device) -> CaseSetup:
+        model = encoder().to(device)
+        params = detached_params(model)
+        x = torch.randn(batch, SEQ, D_MODEL, device=device)
+        y = torch.randn(batch, SEQ, D_MODEL, device=device)
+
+        def sample_loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+            return mse(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+        per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
+
+        def reference() -> List[Tensor]:
+            m64 = in_float64(model)
+            x64, y64 = x.cpu().double(), y.cpu().double()
+            rows = [torch.autograd.grad(mse(m64(x64[i:i + 1]), y64[i:i + 1]),
+                                        list(m64.parameters())) for i in range(batch)]
+            return [torch.stack(g) for g in zip(*rows)]
+
+        def user_code() -> List[Tensor]:
+            return list(per_sample_grads(params, x, y).values())
+
+        variants = [
+            Variant("stock", user_code, routing=False, user_code=True),
+            Variant("batchrules", user_code, routing=True, user_code=True),
+            Variant("limit", lambda: hand_written_transformer.per_sample_grads(params, x, y, NHEAD)),
+        ]
+        setup = CaseSetup(variants, reference=reference,
+                          floor=vmap_identity((None, 0, 0), (params, x, y), returned=0))
+        return with_opacus(setup, ["opacus"], lambda: [
+            opacus_encoder_variant(model, encoder(batch_first=False).to(device), x, y)])
+
+    return Case("psg_transformer", f"b{batch}", tier, N_LINEARS,
+                f"per-sample grads, TransformerEncoderLayer d{D_MODEL} h{NHEAD} T{SEQ}, "
+                f"batch {batch}", build, [*transform_targets(tier), FASTER_THAN_OPACUS])
+
+
+def _ensemble_case(batch: int, tier: str) -> Case:
+    def build(device: torch.device) -> CaseSetup:
+        models = [encoder().to(device) for _ in range(MEMBERS)]
+        params, buffers, base = stacked_ensemble(models)
+        params = {k: v.detach() for k, v in params.items()}
+        x = torch.randn(MEMBERS, batch, SEQ, D_MODEL, device=device)
+        y = torch.randn(MEMBERS, batch, SEQ, D_MODEL, device=device)
+
+        def member_loss(p: Dict[str, Tensor], b: Dict[str, Tensor], xb: Tensor,
+                        yb: Tensor) -> Tensor:
+            return mse(functional_call(base, (p, b), (xb,)), yb)
+
+        ensemble_grads = vmap(grad(member_loss))
+
+        def reference() -> List[Tensor]:
+            per_member = []
+            for m, model in enumerate(models):
+                m64 = in_float64(model)
+                loss = mse(m64(x[m].cpu().double()), y[m].cpu().double())
+                per_member.append(torch.autograd.grad(loss, list(m64.parameters())))
+            return [torch.stack(g) for g in zip(*per_member)]
+
+        def user_code() -> List[Tensor]:
+            return list(ensemble_grads(params, buffers, x, y).values())
+
+        return CaseSetup(
+            variants=[
+                Variant("stock", user_code, routing=False, user_code=True),
+                Variant("batchrules", user_code, routing=True, user_code=True),
+                Variant("limit", lambda: hand_written_transformer.ensemble_grads(params, x, y, NHEAD)),
+            ],
+            reference=reference,
+            floor=vmap_identity((0, 0, 0, 0), (params, buffers, x, y), returned=0),
+        )
+
+    return Case("ensemble_transformer", f"b{batch}", tier, N_LINEARS,
+                f"vmap(grad(mse)) over {MEMBERS} TransformerEncoderLayers d{D_MODEL} h{NHEAD} "
+                f"T{SEQ}, per-member batch {batch}", build, transform_targets(tier))
+
+
+def cases(mode: str) -> List[Case]:
+    """Transformer per-sample-gradient and ensemble-training cases for a mode."""
+    return [_psg_case(b, t) for b, t, m in PSG_BATCHES if mode in m] + [
+        _ensemble_case(b, t) for b, t, m in ENSEMBLE_BATCHES if mode in m
+    ]
