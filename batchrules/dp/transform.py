@@ -21,6 +21,7 @@ Norms and clipped sums then come from (input, output gradient) pairs
 (clipping.py). That is book-keeping (Bu et al., ICML 2023): one forward and
 one backward; Opacus' ghost clipping needs a second backward.
 """
+import contextlib
 import functools
 import math
 import numbers
@@ -81,7 +82,10 @@ def clipped_grad(loss: Callable[..., Any], max_norm: float, *, in_dims: Any = No
     Returns:
         A function returning ``(clipped_sum, norms)``: ``clipped_sum`` has the
         structure of the differentiated argument (a tuple of them for a tuple
-        ``argnums``), ``norms`` is ``[B]``.
+        ``argnums``), ``norms`` is ``[B]``. Under ``torch.autocast`` the
+        forward and backward run in the low precision as usual, while norms,
+        clipping coefficients and clipped sums are formed in the parameters'
+        dtype (float32 for float32 parameters; Note [clipped_grad under autocast]).
 
     Raises at the call (ValueError / TypeError / RuntimeError, naming the
     problem): a loss that is not a scalar per sample, batch sizes that
@@ -131,7 +135,7 @@ def _clipped_grad(loss: Callable[..., Any], max_norm: float, in_dims: Any, argnu
     with torch.enable_grad(), routing.enabled():
         losses, aux, tape = _forward(loss, has_aux, randomness, args, dims, params, differentiated)
         _backward(losses, tape, params)
-    with torch.no_grad():
+    with torch.no_grad(), _autocast_off(params):  # Note [clipped_grad under autocast]
         sums, norms = clip(params, tape.batch_size, max_norm)
     results = tuple(_trees(sums, specs))
     result = (results if isinstance(argnums, tuple) else results[0], norms)
@@ -187,7 +191,8 @@ def _backward(losses: Tensor, tape: Tape, params: List[Param]) -> None:
             "the loss (as functional_call does), outside nested transforms")
     tape.check_inputs_unchanged()
     for use, g in zip(tape.uses, grads):
-        use.set_grad(g)
+        # See Note [clipped_grad under autocast].
+        use.set_grad(g if g is None else g.to(next(iter(use.roles())).leaf.dtype))
     for p, g in zip(copies, grads[len(tape.uses):]):
         p.copy_grad = g
 
@@ -285,3 +290,17 @@ def _check_loss(out: Any, has_aux: bool) -> None:
     if out.dim() != 0 or not out.is_floating_point():
         raise ValueError(f"clipped_grad: the loss must return a floating-point scalar per sample; "
                          f"got shape {tuple(out.shape)} and dtype {out.dtype} for one sample")
+
+
+# Note [clipped_grad under autocast]
+# Under torch.autocast a recorded output (a linear's, say) comes out in the low
+# precision, and so does its gradient. The gradients are cast to their
+# parameter's dtype, and norms, clipping coefficients and clipped sums are then
+# formed with autocast off: in float32 for float32 parameters, as the
+# materialized reference (vmap(grad) + clip + sum) forms them from float32
+# per-sample gradients (autograd returns those in the parameter's dtype).
+def _autocast_off(params: List[Param]) -> Any:
+    device = params[0].leaf.device.type if params else "cpu"
+    if not torch.amp.is_autocast_available(device):
+        return contextlib.nullcontext()
+    return torch.autocast(device, enabled=False)

@@ -17,6 +17,7 @@
 // route runs before any transform layer, as functorch's own decompositions at
 // this key do.
 #include "attention/batched_kernel.h"
+#include "common/autocast.h"
 #include "routing.h"
 
 #include <ATen/functorch/DynamicLayer.h>
@@ -57,6 +58,14 @@ Tensor routed_scaled_dot_product_attention(const Tensor& query, const Tensor& ke
                                            const std::optional<Tensor>& attn_mask,
                                            double dropout_p, bool is_causal,
                                            std::optional<double> scale, bool enable_gqa) {
+  // This route replaces aten's op above its Autocast kernel, so it applies that
+  // kernel's policy itself: Note [Autocast policy of batchrules' operators].
+  if (autocast_enabled_for(query)) {
+    const LowerPrecisionCast cast(query.device().type());
+    return routed_scaled_dot_product_attention(cast(query), cast(key), cast(value),
+                                               cast(attn_mask), dropout_p, is_causal, scale,
+                                               enable_gqa);
+  }
   if (needs_higher_order_attention()) {
     return std::get<0>(at::_scaled_dot_product_attention_math(
         query, key, value, additive_mask(attn_mask, query), dropout_p, is_causal,

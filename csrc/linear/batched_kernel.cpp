@@ -1,6 +1,8 @@
 // FuncTorchBatched kernels of the linear family: the rules of batch_rule_*.cpp
 // behind the shared plumbing (Note [Hand-written vmap plumbing]).
+#include "common/autocast.h"
 #include "common/vmap_plumbing.h"
+#include "linear/autocast.h"
 #include "linear/batch_rules.h"
 #include "ops.h"
 
@@ -12,6 +14,9 @@ namespace {
 
 Tensor linear_batched(const Tensor& input, const Tensor& weight,
                       const std::optional<Tensor>& bias) {
+  if (autocast_enabled_for(input)) {  // See Note [Autocast under vmap].
+    return linear_lower_precision(input.device().type(), input, weight, bias);
+  }
   const BatchedKernelScope scope("batchrules.linear");
   const int64_t level = scope.level();
   if (!any_batched_at(level, input, weight, bias)) {
@@ -26,6 +31,10 @@ Tensor linear_batched(const Tensor& input, const Tensor& weight,
 
 TensorTriple linear_backward_batched(const Tensor& self, const Tensor& grad_output,
                                      const Tensor& weight, std::array<bool, 3> output_mask) {
+  if (autocast_enabled_for(self)) {  // See Note [Autocast under vmap].
+    return linear_backward_lower_precision(self.device().type(), self, grad_output, weight,
+                                           output_mask);
+  }
   const BatchedKernelScope scope("batchrules.linear_backward");
   const int64_t level = scope.level();
   if (!any_batched_at(level, self, grad_output, weight)) {

@@ -1,0 +1,285 @@
+"""Routed flows under torch.autocast against stock torch.func under the same
+autocast: same output dtypes, values within the low precision's tolerance
+(Note [Autocast policy of batchrules' operators], csrc/common/autocast.h).
+
+Where stock torch.func's vmap does not apply aten's policy itself, the
+reference is the op run eagerly, one example at a time (Note [Autocast under
+vmap]); those tests also pin down what stock returns, so that a change there
+shows."""
+from typing import Any, Callable, Dict
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad, jacrev, jvp, stack_module_state, vmap
+from torch.utils._pytree import tree_flatten
+
+import batchrules
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+AMP = [pytest.param(("cpu", torch.bfloat16), id="cpu-bf16"),
+       pytest.param(("cuda", torch.float16), id="cuda-fp16", marks=CUDA),
+       pytest.param(("cuda", torch.bfloat16), id="cuda-bf16", marks=CUDA)]
+# Relative to the largest magnitude of the expected leaf: a few roundings of
+# the low precision (eps 2^-8 for bfloat16, 2^-11 for float16).
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+@pytest.fixture(params=AMP)
+def amp(request: pytest.FixtureRequest) -> Any:
+    return request.param
+
+
+def run(amp: Any, routed: bool, fn: Callable[[], Any]) -> Any:
+    device, dtype = amp
+    with batchrules.enabled(routed), torch.autocast(device, dtype=dtype):
+        return fn()
+
+
+def assert_matches(actual: Any, expected: Any, dtype: torch.dtype) -> None:
+    got, got_spec = tree_flatten(actual)
+    want, want_spec = tree_flatten(expected)
+    assert got_spec == want_spec
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, w.dtype, g.shape, w.shape)
+        scale = max(w.abs().max().item(), 1e-3)
+        err = (g.double() - w.double()).abs().max().item()
+        assert err <= TOLERANCE[dtype] * scale, f"error {err:.3g} vs scale {scale:.3g}"
+
+
+def assert_like_stock(amp: Any, fn: Callable[[], Any]) -> Any:
+    """Routed equals stock under the same autocast; returns the routed result."""
+    routed = run(amp, True, fn)
+    assert_matches(routed, run(amp, False, fn), amp[1])
+    return routed
+
+
+def mlp(device: str) -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(6, 8), nn.SiLU(), nn.Linear(8, 8), nn.Mish(),
+                         nn.Linear(8, 3)).to(device)
+
+
+def data(device: str, *shape: int) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(2)).to(device)
+
+
+def params_of(model: nn.Module) -> Dict[str, Tensor]:
+    return {k: p.detach() for k, p in model.named_parameters()}
+
+
+# --- vmap forward: aten's policy per example (stock promotes a bias add) -------------------
+
+
+@pytest.mark.parametrize("low_input", [False, True], ids=["f32_input", "low_input"])
+def test_vmap_shared_weight(amp: Any, low_input: bool) -> None:
+    device, dtype = amp
+    x, w, b = data(device, 4, 5, 6), data(device, 3, 6), data(device, 3)
+    x = x.to(dtype) if low_input else x  # e.g. the output of an earlier layer
+
+    def per_example(xi: Tensor) -> Tensor:
+        return F.linear(xi, w, b)
+
+    routed = run(amp, True, lambda: vmap(per_example)(x))
+    assert_matches(routed, run(amp, False, lambda: torch.stack([per_example(xi) for xi in x])),
+                   dtype)
+    stock = run(amp, False, lambda: vmap(per_example)(x))
+    assert stock.dtype == torch.float32  # a low-precision GEMM + float32 bias, promoted
+    assert_matches(routed.float(), stock, dtype)
+    assert_like_stock(amp, lambda: vmap(lambda xi: F.linear(xi, w))(x))  # no bias: no add
+
+
+def test_ensemble_forward(amp: Any) -> None:
+    device, dtype = amp
+    models = [mlp(device) for _ in range(3)]
+    params, buffers = stack_module_state(models)
+    x = data(device, 5, 6)
+
+    def ensemble() -> Tensor:
+        return vmap(lambda p: functional_call(models[0], p, (x,)))(params)
+
+    routed = run(amp, True, ensemble)
+    eager = run(amp, False, lambda: torch.stack([m(x) for m in models]))
+    assert routed.dtype == eager.dtype == dtype
+    assert_matches(routed, eager, dtype)
+    assert_matches(routed.float(), run(amp, False, ensemble).float(), dtype)
+
+
+# --- reverse and forward mode ----------------------------------------------------------------
+
+
+def test_vmap_grad_mlp(amp: Any) -> None:
+    device, dtype = amp
+    model, x, y = mlp(device), data(device, 4, 6), data(device, 4, 3)
+
+    def loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        return F.mse_loss(functional_call(model, p, (xi,)), yi)
+
+    assert_like_stock(amp, lambda: vmap(grad(loss), in_dims=(None, 0, 0))(params_of(model), x, y))
+
+
+def test_vmap_grad_transformer_encoder_layer(amp: Any) -> None:
+    device, dtype = amp
+    torch.manual_seed(3)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0,
+                                       batch_first=True).to(device)
+    x = data(device, 3, 5, 8)
+
+    def loss(p: Dict[str, Tensor], xi: Tensor) -> Tensor:
+        return functional_call(layer, p, (xi.unsqueeze(0),)).float().pow(2).mean()
+
+    assert_like_stock(amp, lambda: vmap(grad(loss), in_dims=(None, 0))(params_of(layer), x))
+
+
+def test_grad_of_ensemble_loss(amp: Any) -> None:
+    device, dtype = amp
+    models = [mlp(device) for _ in range(3)]
+    params, _ = stack_module_state(models)
+    x, y = data(device, 5, 6), data(device, 5, 3)
+
+    def loss(p: Dict[str, Tensor]) -> Tensor:
+        out = vmap(lambda pi: functional_call(models[0], pi, (x,)))(p)
+        return F.mse_loss(out.float(), y.expand(3, 5, 3))
+
+    assert_like_stock(amp, lambda: grad(loss)(params))
+
+
+def test_grad_of_routed_linear(amp: Any) -> None:
+    device, dtype = amp
+    x, w, b = data(device, 5, 6), data(device, 3, 6), data(device, 3)
+
+    def loss(w: Tensor, b: Tensor) -> Any:
+        out = F.linear(x, w, b)
+        return out.float().pow(2).sum(), out
+
+    grads, out = assert_like_stock(amp, lambda: grad(loss, argnums=(0, 1), has_aux=True)(w, b))
+    assert out.dtype == dtype and grads[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacrev", "vmap_jacrev"])
+def test_forward_mode_and_jacobians(amp: Any, transform: str) -> None:
+    device, dtype = amp
+    model, x = mlp(device), data(device, 4, 6)
+    p = params_of(model)
+
+    def f(xi: Tensor) -> Tensor:
+        return functional_call(model, p, (xi,))
+
+    calls = {"jvp": lambda: jvp(f, (x[0],), (torch.ones_like(x[0]),)),
+             "jacrev": lambda: jacrev(f)(x[0]),
+             "vmap_jacrev": lambda: vmap(jacrev(f))(x)}
+    assert_like_stock(amp, calls[transform])
+
+
+def test_eager_batchrules_linear_forward_backward(amp: Any) -> None:
+    device, dtype = amp
+
+    def step(linear: Callable[..., Tensor]) -> Any:
+        x, w, b = (data(device, *s).requires_grad_() for s in ((5, 6), (3, 6), (3,)))
+        out = linear(x, w, b)
+        return (out, *torch.autograd.grad(out.float().pow(2).sum(), (x, w, b)))
+
+    ours = run(amp, True, lambda: step(batchrules.linear))
+    assert ours[0].dtype == dtype
+    assert_matches(ours, run(amp, False, lambda: step(F.linear)), dtype)
+
+
+def test_linear_backward_casts_mixed_operands(amp: Any) -> None:
+    device, dtype = amp
+    x, w, g = data(device, 5, 6), data(device, 3, 6), data(device, 5, 3).to(dtype)
+    got = run(amp, True, lambda: batchrules.linear_backward(x, g, w))
+    # aten autocasts the mm's; the sum is in the low precision too (CUDA's autocast would
+    # otherwise sum in float32)
+    want = run(amp, False, lambda: (g @ w, g.t() @ x, g.sum(0, dtype=dtype)))
+    assert_matches(got, want, dtype)
+
+
+def test_opcheck_with_mixed_dtypes(amp: Any) -> None:
+    device, dtype = amp
+    x = data(device, 5, 6).to(dtype).requires_grad_()
+    w, b = data(device, 3, 6).requires_grad_(), data(device, 3).requires_grad_()
+    g = data(device, 5, 3).to(dtype)
+    with torch.autocast(device, dtype=dtype):
+        torch.library.opcheck(torch.ops.batchrules.linear.default, (x, w, b))
+        torch.library.opcheck(torch.ops.batchrules.linear_backward.default,
+                              (x.detach().float(), g, w.detach(), [True, True, True]))
+
+
+# --- activations, losses, attention ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("act", [F.silu, F.mish], ids=["silu", "mish"])
+def test_activations_keep_their_input_dtype(amp: Any, act: Callable[[Tensor], Tensor]) -> None:
+    device, dtype = amp
+    x, w = data(device, 4, 6), data(device, 5, 6)
+    assert_like_stock(amp, lambda: vmap(act)(x))  # float32 in, float32 out (no policy)
+    assert_like_stock(amp, lambda: vmap(grad(lambda xi: act(F.linear(xi, w)).float().sum()))(x))
+
+
+@pytest.mark.parametrize("loss", ["mse", "huber", "smooth_l1", "cross_entropy"])
+def test_losses(amp: Any, loss: str) -> None:
+    device, dtype = amp
+    w, x = data(device, 5, 6), data(device, 4, 3, 6)
+    classes = (torch.arange(12, device=device) % 5).view(4, 3)
+    y = classes if loss == "cross_entropy" else data(device, 4, 3, 5)
+    fn = {"mse": F.mse_loss, "huber": F.huber_loss, "smooth_l1": F.smooth_l1_loss,
+          "cross_entropy": F.cross_entropy}[loss]
+
+    def per_example(wi: Tensor, xi: Tensor, yi: Tensor) -> Tensor:
+        return fn(F.linear(xi, wi), yi)
+
+    assert_like_stock(amp, lambda: vmap(grad(per_example), in_dims=(None, 0, 0))(w, x, y))
+    assert_like_stock(amp, lambda: grad(lambda wi: vmap(per_example, in_dims=(None, 0, 0))(
+        wi, x, y).float().sum())(w))
+
+
+def test_attention_under_grad(amp: Any) -> None:
+    device, dtype = amp
+    q = data(device, 3, 2, 5, 8)
+
+    def attend(qi: Tensor) -> Any:
+        out = F.scaled_dot_product_attention(qi, qi * 0.5, qi, is_causal=True)
+        return out.float().pow(2).sum(), out
+
+    out = assert_like_stock(amp, lambda: vmap(grad(attend, has_aux=True))(q))[1]
+    assert out.dtype == dtype
+
+
+def test_attention_under_vmap(amp: Any) -> None:
+    device, dtype = amp
+    q = data(device, 3, 2, 5, 8)
+
+    def attend(qi: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(qi, qi * 0.5, qi, is_causal=True)
+
+    routed = run(amp, True, lambda: vmap(attend)(q))
+    eager = run(amp, False, lambda: torch.stack([attend(qi) for qi in q]))
+    assert_matches(routed, eager, dtype)
+    stock = run(amp, False, lambda: vmap(attend)(q))
+    assert stock.dtype == torch.float32  # stock's vmap decomposes it above autocast
+    assert_matches(routed.float(), stock, dtype)
+
+
+# --- clipped_grad -----------------------------------------------------------------------------
+
+
+def test_clipped_grad_matches_materialized_reference(amp: Any) -> None:
+    device, dtype = amp
+    model, x, y = mlp(device), data(device, 6, 6), data(device, 6, 3)
+    p = params_of(model)
+
+    def loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        return F.mse_loss(functional_call(model, p, (xi,)), yi)
+
+    def reference() -> Any:
+        per = vmap(grad(loss), in_dims=(None, 0, 0))(p, x, y)  # float32, as the parameters
+        with torch.autocast(device, enabled=False):  # clip and sum in float32
+            norms = torch.cat([g.flatten(1) for g in per.values()], 1).norm(dim=1)
+            coef = (0.05 / (norms + 1e-6)).clamp(max=1.0)
+            return {k: torch.tensordot(coef, g, dims=1) for k, g in per.items()}, norms
+
+    got = run(amp, True, lambda: batchrules.clipped_grad(loss, 0.05)(p, x, y))
+    want = run(amp, False, reference)
+    assert got[1].dtype == torch.float32 and all(g.dtype == torch.float32 for g in got[0].values())
+    assert_matches(got, want, dtype)
