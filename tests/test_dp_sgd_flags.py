@@ -8,15 +8,13 @@ from batchrules.examples import dp_sgd
 
 gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                           reason="torch.distributed with gloo is not available")
-BF16_PENDING = ("batchrules' C++ operators get autocast kernels in another branch; until then "
-                "batchrules.linear refuses bfloat16 inputs with float weights")
 
 
 @pytest.mark.parametrize("flags, expected", [
     (["--logical-batch", "48", "--physical-batch", "16"], "q 0.046875"),
     pytest.param(["--ddp", "2"], "2 DDP ranks match one process: True", marks=gloo),
     pytest.param(["--fsdp", "2"], "2 FSDP ranks match one process: True", marks=gloo),
-    pytest.param(["--bf16"], "loss", marks=pytest.mark.xfail(strict=False, reason=BF16_PENDING)),
+    (["--bf16"], "loss"),
 ], ids=["logical_batch", "ddp", "fsdp", "bf16"])
 def test_transformer_fine_tuning(flags, expected: str, capsys) -> None:
     pytest.importorskip("opacus")

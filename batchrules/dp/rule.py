@@ -93,6 +93,9 @@ class Use(Rule):
         raise NotImplementedError
 
     def set_grad(self, grad: Optional[Tensor]) -> None:
+        """Takes the output's gradient (in the weight's dtype) and brings the
+        recorded floating-point inputs to its dtype (Note [clipped_grad under
+        autocast] in transform.py)."""
         raise NotImplementedError
 
     def per_sample_grad(self, role: str) -> Tensor:

@@ -294,8 +294,9 @@ def _check_loss(out: Any, has_aux: bool) -> None:
 
 # Note [clipped_grad under autocast]
 # Under torch.autocast a recorded output (a linear's, say) comes out in the low
-# precision, and so does its gradient. The gradients are cast to their
-# parameter's dtype, and norms, clipping coefficients and clipped sums are then
+# precision, and so does its gradient, and a recorded input may be in either. The
+# gradients are cast to their parameter's dtype (and each use's ``set_grad``
+# brings its recorded inputs to that dtype too), and norms, clipping coefficients and clipped sums are then
 # formed with autocast off: in float32 for float32 parameters, as the
 # materialized reference (vmap(grad) + clip + sum) forms them from float32
 # per-sample gradients (autograd returns those in the parameter's dtype).

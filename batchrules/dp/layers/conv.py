@@ -83,6 +83,8 @@ class ConvUse(Use):
 
     def set_grad(self, grad: Optional[Tensor]) -> None:
         self.grad = grad
+        if grad is not None:
+            self.input = self.input.to(grad.dtype)  # Note [clipped_grad under autocast]
 
     @property
     def images(self) -> int:  # N

@@ -45,6 +45,7 @@ class LayerNormUse(Use):
             # [B, *lead, *shape] -> [B, T, *shape]: merges the leading dims, a
             # copy when they are not contiguous (a pre-norm residual's gradient).
             self.grad = grad.reshape(self.normalized.shape)
+            self.normalized = self.normalized.to(grad.dtype)  # Note [clipped_grad under autocast]
 
     def per_sample_grad(self, role: str) -> Tensor:
         if role == "bias":

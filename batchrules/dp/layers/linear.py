@@ -47,6 +47,7 @@ class LinearUse(Use):
     def set_grad(self, grad: Optional[Tensor]) -> None:
         if grad is not None:
             self.grad = grad.view(self.rows.shape[0], self.rows.shape[1], grad.shape[-1])
+            self.rows = self.rows.to(grad.dtype)  # Note [clipped_grad under autocast]
 
     def per_sample_grad(self, role: str) -> Tensor:
         if role == "bias":
