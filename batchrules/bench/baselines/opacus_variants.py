@@ -125,7 +125,9 @@ def _opacus_ready(model: nn.Module) -> Tuple[nn.Module, Callable[[List[Tensor]],
     def to_model_order(grads: List[Tensor]) -> List[Tensor]:
         by_name = dict(zip(names, grads))
         out = []
-        for name, _ in model.named_parameters():
+        for name, p in model.named_parameters():
+            if not p.requires_grad:  # frozen (LoRA's base model): no gradient
+                continue
             if name in by_name:
                 out.append(by_name[name])
             else:  # in_proj_weight / in_proj_bias -> q, k, v linears
@@ -211,7 +213,7 @@ def opacus_ghost_variant(
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = DPOptimizerFastGradientClipping(
         torch.optim.SGD(params, lr=0.0), noise_multiplier=0.0, max_grad_norm=max_norm,
-        expected_batch_size=x.shape[0], loss_reduction="sum")
+        expected_batch_size=y.shape[0], loss_reduction="sum")
     criterion = DPLossFastGradientClipping(module, optimizer, criterion_sum, loss_reduction="sum")
 
     def step() -> List[Tensor]:

@@ -1,0 +1,184 @@
+"""The DP step on 2 gloo ranks, DDP and FSDP2, against the non-private step
+under the same wrapper: ``python -m batchrules.bench.distributed [--smoke]``.
+
+A separate entry point, not a scenario: the bench's runner checks and times
+a variant as a closure in its own process, while these steps are collectives
+between processes that must run the same steps in the same order.
+
+Each rank (1 thread) holds the example's transformer (``examples/dp_sgd.py``,
+float32) and its share of a fixed batch; per wrapper it alternates the two
+steps (a barrier before each, so the ranks start together) and reports the
+median of each step's time and, from one more step run under the profiler,
+its peak memory (``memory.peak_extra_bytes``: torch's CPU allocator records
+under the profiler, tensor storage allocated beyond what was live before
+the step; not RSS).
+  DDP   non-private: zero_grad, ``loss.backward()`` through the DDP module,
+        SGD step; DP: ``dp_step`` (clipped_grad, rank 0's noise, one
+        ``all_reduce_flat``, SGD step).
+  FSDP2 non-private: ``loss.backward()`` through the ``fully_shard``-ed
+        model, SGD step; DP: ``fsdp_step`` (``unsharded``, clipped_grad, one
+        ``reduce_scatter_flat``, each shard's noise, SGD step).
+Targets: each DP step <= 1.3x its wrapper's non-private step; per-rank peak
+memory under FSDP2 <= 1.3x the non-private FSDP2 step's.
+"""
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .case import Variant
+from .memory import peak_extra_bytes
+
+WORLD = 2
+TIME_RATIO = 1.3
+MEMORY_RATIO = 1.3
+
+
+@dataclass(frozen=True)
+class Sizes:
+    d_model: int = 128
+    heads: int = 4
+    ff: int = 512
+    layers: int = 2
+    batch: int = 32  # samples per rank
+    repeats: int = 15  # timed steps per variant, interleaved
+    warmup: int = 3
+
+
+FULL = Sizes()
+SMOKE = Sizes(d_model=32, heads=4, ff=64, layers=2, batch=8, repeats=3, warmup=1)
+
+
+def _measure(steps: Dict[str, Callable[[], None]], sizes: Sizes) -> Dict[str, Dict[str, float]]:
+    """Median seconds (interleaved, barrier-aligned) and peak bytes of each step."""
+    for _ in range(sizes.warmup):
+        for step in steps.values():
+            step()
+    times: Dict[str, List[float]] = {name: [] for name in steps}
+    for _ in range(sizes.repeats):
+        for name, step in steps.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    out = {}
+    for name, step in steps.items():
+        dist.barrier()
+        out[name] = {"median_s": statistics.median(times[name]),
+                     "peak_bytes": peak_extra_bytes(Variant(name, step), torch.device("cpu"))}
+    return out
+
+
+def _worker(rank: int, world: int, port: int, sizes: Sizes, out_dir: str) -> None:
+    from batchrules.dp import all_reduce_flat
+    from batchrules.examples import dp_sgd, dp_sgd_ranks
+
+    dp_sgd_ranks._init(rank, world, port)
+    config = dp_sgd.DPConfig(model="transformer", examples=world * sizes.batch, sample_rate=1.0,
+                             noise_shards=world)
+    x, y = dp_sgd.make_data(config)
+    x, y = x[rank::world], y[rank::world]
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return dp_sgd.TinyTransformer(sizes.d_model, sizes.heads, sizes.ff, sizes.layers)
+
+    def nonprivate(module: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(module(x), y, reduction="sum").backward()
+            optimizer.step()
+        return step
+
+    ddp = nn.parallel.DistributedDataParallel(model())
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    ddp_noise = dp_sgd.noise_generators(config, range(world)) if rank == 0 else None
+
+    def ddp_dp() -> None:
+        dp_sgd.dp_step(ddp.module, ddp_opt, x, y, config, ddp_noise, all_reduce_flat)
+
+    sharded = model()
+    arch = copy.deepcopy(sharded).to("meta")
+    dp_sgd_ranks.shard_model(sharded)
+    fsdp_opt = torch.optim.SGD(sharded.parameters(), lr=1e-3)
+    fsdp_noise = dp_sgd.noise_generators(config, [rank])[0]
+
+    def fsdp_dp() -> None:
+        dp_sgd_ranks.fsdp_step(sharded, arch, fsdp_opt, x, y, config, fsdp_noise, rank)
+
+    results = {
+        "ddp": _measure({"nonprivate": nonprivate(ddp, ddp_opt), "dp": ddp_dp}, sizes),
+        "fsdp2": _measure({"nonprivate": nonprivate(sharded, fsdp_opt), "dp": fsdp_dp}, sizes),
+    }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dp_sgd_ranks._finish()
+
+
+def run(sizes: Sizes = FULL, timeout_s: float = 300.0) -> List[dict]:
+    """Both wrappers on ``WORLD`` gloo ranks; returns each rank's results
+    ``{wrapper: {step: {median_s, peak_bytes}}}``."""
+    from batchrules.examples.dp_sgd_ranks import _spawn
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_worker, sizes, WORLD, timeout_s, out_dir)  # worker(rank, world, port, sizes, out_dir)
+        ranks = []
+        for r in range(WORLD):
+            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+        return ranks
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def table(ranks: List[dict], sizes: Sizes) -> str:
+    """Per rank and wrapper: both steps' median time and peak memory, and the targets."""
+    lines = [f"DP step on {WORLD} gloo ranks, TinyTransformer(d={sizes.d_model}, heads={sizes.heads}, "
+             f"ff={sizes.ff}, layers={sizes.layers}), {sizes.batch} samples/rank, float32, 1 thread/rank",
+             f"{'wrapper':8} {'rank':>4} {'nonprivate ms':>13} {'dp ms':>8} {'dp/np':>6} "
+             f"{'np peak MiB':>11} {'dp peak MiB':>11} {'mem ratio':>9}  targets"]
+    for wrapper in ("ddp", "fsdp2"):
+        for rank, result in enumerate(ranks):
+            np_, dp = result[wrapper]["nonprivate"], result[wrapper]["dp"]
+            ratio = dp["median_s"] / np_["median_s"]
+            notes = [f"time <= {TIME_RATIO}x {_met(ratio <= TIME_RATIO)}"]
+            mem = None
+            if np_["peak_bytes"] and dp["peak_bytes"] is not None:
+                mem = dp["peak_bytes"] / np_["peak_bytes"]
+                if wrapper == "fsdp2":
+                    notes.append(f"memory <= {MEMORY_RATIO}x {_met(mem <= MEMORY_RATIO)}")
+
+            def mib(b: Optional[int]) -> str:
+                return "n/a" if b is None else f"{b / 2**20:.2f}"
+            lines.append(f"{wrapper:8} {rank:>4} {1e3 * np_['median_s']:13.2f} {1e3 * dp['median_s']:8.2f} "
+                         f"{ratio:6.2f} {mib(np_['peak_bytes']):>11} {mib(dp['peak_bytes']):>11} "
+                         f"{'n/a' if mem is None else f'{mem:.2f}':>9}  {'; '.join(notes)}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m batchrules.bench.distributed",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="smallest sizes, 3 repeats: numbers are noise")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
+    args = p.parse_args(argv)
+    sizes = SMOKE if args.smoke else FULL
+    print(table(run(sizes, args.timeout), sizes))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
