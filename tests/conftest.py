@@ -90,6 +90,14 @@ def available_devices() -> List[str]:
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+@pytest.fixture(autouse=True)
+def seeded() -> None:
+    """Every test starts from the same global RNG state, whatever ran before it
+    in its process: under pytest-xdist the tests a worker runs, and their order,
+    change from run to run, and unseeded random inputs would change with them."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture
 def no_vmap_fallback() -> Iterator[None]:
     """Disable functorch's slow per-example fallback so a missing batching rule fails loudly."""

@@ -129,7 +129,10 @@ def test_third_order(dtype: torch.dtype) -> None:
 
         return fn
 
-    make = lambda *shape: torch.randn(shape, dtype=dtype, requires_grad=True)  # noqa: E731
+    # Small inputs: complex tanh has poles at i*pi/2, where numerical and
+    # analytical third derivatives part ways.
+    gen = torch.Generator().manual_seed(0)
+    make = lambda *shape: (0.3 * torch.randn(shape, dtype=dtype, generator=gen)).requires_grad_()  # noqa: E731
     for args in [(make(2, 3), make(4, 3), make(4)), (make(3), make(3), make()),
                  (make(2, 2, 3), make(2, 3), make())]:
         assert gradgradcheck(grads_of(batchrules.linear), args)
