@@ -25,6 +25,17 @@ const c10::TypedOperatorHandle<LinearBackwardSig>& linear_backward_op() {
   return op;
 }
 
+const c10::TypedOperatorHandle<RnnRecurrenceSig>& rnn_recurrence_op() {
+  static const auto op = find_op<RnnRecurrenceSig>("batchrules::rnn_recurrence");
+  return op;
+}
+
+const c10::TypedOperatorHandle<RnnRecurrenceBackwardSig>& rnn_recurrence_backward_op() {
+  static const auto op =
+      find_op<RnnRecurrenceBackwardSig>("batchrules::rnn_recurrence_backward");
+  return op;
+}
+
 #define BATCHRULES_DEFINE_ACTIVATION_OPS(name, ...)                                       \
   const c10::TypedOperatorHandle<ActivationSig>& name##_op() {                            \
     static const auto op = find_op<ActivationSig>("batchrules::" #name);                  \
@@ -43,6 +54,19 @@ TORCH_LIBRARY(batchrules, m) {
   m.def(
       "linear_backward(Tensor self, Tensor grad_output, Tensor weight, bool[3] output_mask) "
       "-> (Tensor, Tensor, Tensor)");
+  // One RNN layer's loop over time (recurrent/recurrence.h); mode 0 LSTM,
+  // 1 GRU, 2 RNN tanh, 3 RNN relu. c_n is None but for LSTM; workspace is
+  // what the backward reads. The backward's hidden-gate gradient is None where
+  // it equals the input gates' (LSTM, RNN), its projected one without w_hr.
+  m.def(
+      "rnn_recurrence(Tensor input_gates, Tensor h0, Tensor? c0, Tensor w_hh, Tensor? b_hh, "
+      "Tensor? w_hr, int mode, bool reverse) -> (Tensor output, Tensor h_n, Tensor c_n, "
+      "Tensor workspace)");
+  m.def(
+      "rnn_recurrence_backward(Tensor? grad_output, Tensor? grad_h_n, Tensor? grad_c_n, "
+      "Tensor h0, Tensor? c0, Tensor w_hh, Tensor? w_hr, Tensor output, Tensor workspace, "
+      "int mode, bool reverse) -> (Tensor grad_input_gates, Tensor grad_hidden_gates, "
+      "Tensor grad_h0, Tensor grad_c0, Tensor grad_projected)");
   // Each activation: <name>(self) and <name>_backward(grad_output, self),
   // whose operands broadcast against each other as in aten::silu_backward.
 #define BATCHRULES_DEFINE_ACTIVATION_SCHEMAS(name, ...) \

@@ -19,12 +19,27 @@ namespace batchrules {
 using at::Tensor;
 using TensorTriple = std::tuple<Tensor, Tensor, Tensor>;
 
+using RecurrenceResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+using RecurrenceGradsResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+using OptTensor = std::optional<Tensor>;
+
 using LinearSig = Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&);
 using LinearBackwardSig =
     TensorTriple(const Tensor&, const Tensor&, const Tensor&, std::array<bool, 3>);
 
 const c10::TypedOperatorHandle<LinearSig>& linear_op();
 const c10::TypedOperatorHandle<LinearBackwardSig>& linear_backward_op();
+
+// See Note [The grouped recurrence] (recurrent/recurrence.h).
+using RnnRecurrenceSig = RecurrenceResult(const Tensor&, const Tensor&, const OptTensor&,
+                                          const Tensor&, const OptTensor&, const OptTensor&,
+                                          int64_t, bool);
+using RnnRecurrenceBackwardSig = RecurrenceGradsResult(
+    const OptTensor&, const OptTensor&, const OptTensor&, const Tensor&, const OptTensor&,
+    const Tensor&, const OptTensor&, const Tensor&, const Tensor&, int64_t, bool);
+
+const c10::TypedOperatorHandle<RnnRecurrenceSig>& rnn_recurrence_op();
+const c10::TypedOperatorHandle<RnnRecurrenceBackwardSig>& rnn_recurrence_backward_op();
 
 // Pointwise activations f(self) and their backward grad_output * f'(self):
 // <name>_op() and <name>_backward_op() for each entry of

@@ -65,6 +65,7 @@ void set_routing_enabled(bool enabled) {
   add_attention_routes(libs);
   add_loss_routes(libs);
   add_activation_routes(libs);
+  add_recurrent_routes(libs);
   routes = std::move(fresh);
 }
 

@@ -21,5 +21,6 @@ void add_linear_routes(RouteLibraries& libs);
 void add_attention_routes(RouteLibraries& libs);
 void add_loss_routes(RouteLibraries& libs);
 void add_activation_routes(RouteLibraries& libs);
+void add_recurrent_routes(RouteLibraries& libs);
 
 }  // namespace batchrules

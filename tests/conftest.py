@@ -11,6 +11,7 @@ Under pytest-xdist (``-n N``, as README command 2 runs the suite) each worker ge
 an equal share of the cores for torch's intra-op threads, so N workers do not
 oversubscribe the machine, and the tests of each XDIST_GROUPS group run on one worker.
 """
+import contextlib
 import importlib
 import os
 from typing import Dict, Iterator, List, Optional
@@ -98,15 +99,22 @@ def seeded() -> None:
     torch.manual_seed(0)
 
 
-@pytest.fixture
-def no_vmap_fallback() -> Iterator[None]:
-    """Disable functorch's slow per-example fallback so a missing batching rule fails loudly."""
+@contextlib.contextmanager
+def vmap_fallback_off() -> Iterator[None]:
+    """functorch's slow per-example fallback off, so a missing batching rule
+    fails loudly; restored afterwards."""
     previous = torch._C._functorch._is_vmap_fallback_enabled()
     torch._C._functorch._set_vmap_fallback_enabled(False)
     try:
         yield
     finally:
         torch._C._functorch._set_vmap_fallback_enabled(previous)
+
+
+@pytest.fixture
+def no_vmap_fallback() -> Iterator[None]:
+    with vmap_fallback_off():
+        yield
 
 
 @pytest.fixture

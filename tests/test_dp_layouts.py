@@ -157,13 +157,3 @@ def test_batch_norm_in_training_mode_is_refused(affine: bool) -> None:
     assert torch.equal(model[1].running_mean, stats[0])
     assert torch.equal(model[1].running_var, stats[1])
     check_module(model.eval(), randn(3))
-
-
-@pytest.mark.parametrize("module,kernel",
-                         [(nn.LSTM, "lstm"), (nn.GRU, "gru"), (nn.RNN, "rnn_tanh")])
-def test_recurrent_layers_are_refused(module, kernel: str) -> None:
-    model = module(3, 4, batch_first=True)
-    match = rf"{module.__name__} \(torch.{kernel}\) with parameters argument 0\['weight_ih_l0'\]"
-    loss, params = module_loss(model, lambda o: o[0].sum())
-    with pytest.raises(RuntimeError, match=match):
-        batchrules.clipped_grad(loss, 1.0)(params, randn(2, 3))

@@ -20,6 +20,10 @@ EXPECTED_OUTPUT = {
     "ensembling": ["per-model minibatches: (4, 16, 3)", "shared minibatch:      (4, 16, 3)",
                    "step 4: losses"],
     "per_sample_grads": ["'4.weight': (8, 16, 36)", "DP-SGD step 2: loss"],
+    "recurrent_ensemble": ["ensemble of 5 GRU dynamics models", "match the per-member loop: True",
+                           "step 4: losses"],
+    "lstm_per_sample_grads": ["'lstm.weight_hh_l0': (8, 64, 16)",
+                              "per-sample grads match the float64 loop: True"],
     "inspect_routing": ["routing on : {'batchrules::linear': 1", "routing off: {}",
                         "eager, routing on: {}"],
 }

@@ -15,10 +15,11 @@ The compiled small rows' time relative to the limit is printed, with no
 threshold (``compiled_limit_ratios``).
 """
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from .compiled import twin_name
 from .runner import CaseResult
+from .timing import Stats
 
 STOCK_COMPILED, BATCHRULES_COMPILED = twin_name("stock"), twin_name("batchrules")
 COMPILED_TARGET = (f"compiled: not slower than stock compiled "
@@ -70,6 +71,30 @@ class Speedup:
 
 
 @dataclass(frozen=True)
+class SpeedupOverBest:
+    """Median of paired ``min(time(s) for s in slow) / time(fast)`` >= threshold:
+    against the faster of several baselines, repeat by repeat."""
+
+    label: str
+    slow: Tuple[str, ...]
+    fast: str
+    threshold: float
+
+    def check(self, result: CaseResult, linear_floor: int) -> Optional[TargetCheck]:
+        skipped = _skipped(self.label, result, (*self.slow, self.fast))
+        if skipped is not None:
+            return skipped
+        slow, fast = [result.stats(name) for name in self.slow], result.stats(self.fast)
+        if fast is None or any(s is None for s in slow):
+            return None
+        ratios = Stats([min(times) / t for *times, t in zip(*(s.times for s in slow), fast.times)])
+        value = ratios.median
+        verdict = ("met" if value >= self.threshold
+                   else "noise" if ratios.quantile(0.75) >= self.threshold else "missed")
+        return TargetCheck(self.label, result.case.name, value, self.threshold, verdict)
+
+
+@dataclass(frozen=True)
 class KernelsPerLinear:
     """The batchrules variant's kernels per vmapped linear forward are no more
     than one eager ``F.linear`` with bias (``linear_floor``: 2 on CPU, copy_ + addmm)."""
@@ -106,7 +131,7 @@ class PeakMemory:
                            f"{v.peak_bytes / 2**20:.1f}MB vs {base.peak_bytes / 2**20:.1f}MB")
 
 
-Target = Union[Speedup, KernelsPerLinear, PeakMemory]
+Target = Union[Speedup, SpeedupOverBest, KernelsPerLinear, PeakMemory]
 NOT_SLOWER = Speedup("not slower than stock (stock / batchrules >= 1)", "stock", "batchrules", 1.0)
 # Outside transforms routing must cost nothing (it acts under transforms only).
 ROUTING_FREE_IN_EAGER = Speedup("eager: stock op / the same op with routing on >= 0.98",

@@ -8,5 +8,7 @@ functions it demonstrates, so they can be imported and reused:
 - ``per_sample_grads``: per-sample gradients and a DP-SGD step.
 - ``dp_sgd``: DP-SGD training with ``batchrules.clipped_grad`` (Opacus' accountant, DDP, FSDP2,
   logical batches; its multi-process runs in ``dp_sgd_ranks``).
+- ``recurrent_ensemble``: an ensemble of GRU dynamics models trained in one vmapped step.
+- ``lstm_per_sample_grads``: per-sample gradients of an LSTM classifier, checked in float64.
 - ``inspect_routing``: confirm with the profiler that routing is active.
 """

@@ -18,9 +18,9 @@
 // this key do.
 #include "attention/batched_kernel.h"
 #include "common/autocast.h"
+#include "common/transform_stack.h"
 #include "routing.h"
 
-#include <ATen/functorch/DynamicLayer.h>
 #include <ATen/ops/_scaled_dot_product_attention_math.h>
 #include <ATen/ops/scaled_dot_product_attention_native.h>
 #include <ATen/ops/zeros_like.h>
@@ -30,18 +30,6 @@
 namespace batchrules {
 
 namespace {
-
-bool needs_higher_order_attention() {
-  int grad_levels = 0;
-  for (const auto& layer : at::functorch::getDynamicLayerStack()) {
-    const auto type = layer.key();
-    if (type == at::functorch::TransformType::Jvp ||
-        (type == at::functorch::TransformType::Grad && ++grad_levels > 1)) {
-      return true;
-    }
-  }
-  return false;
-}
 
 // SDPA's meaning of a bool mask (True takes part) as the additive mask the
 // math composite takes.
@@ -66,7 +54,7 @@ Tensor routed_scaled_dot_product_attention(const Tensor& query, const Tensor& ke
                                                cast(attn_mask), dropout_p, is_causal, scale,
                                                enable_gqa);
   }
-  if (needs_higher_order_attention()) {
+  if (higher_order_transforms()) {
     return std::get<0>(at::_scaled_dot_product_attention_math(
         query, key, value, additive_mask(attn_mask, query), dropout_p, is_causal,
         /*dropout_mask=*/std::nullopt, scale, enable_gqa));

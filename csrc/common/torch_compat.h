@@ -28,4 +28,15 @@ NodePtr<T> make_node() {
   }
 }
 
+// The owning pointer to `node` that SavedVariable::unpack takes for a tensor
+// the node saved from its own outputs.
+template <class N = torch::autograd::Node>
+auto owning_ptr(N* node) {
+  if constexpr (kIntrusiveNodes) {
+    return c10::intrusive_ptr<N>::reclaim_copy(node);
+  } else {
+    return node->shared_from_this();
+  }
+}
+
 }  // namespace batchrules

@@ -1,7 +1,7 @@
 """Calls clipped_grad refuses, before they run, with an error naming the call
 and its parameters (vmap's own errors there name neither).
 """
-from typing import Any, ClassVar, Dict, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +13,6 @@ from ..tape import Tape
 
 _BATCH_NORM_ARGS = (("input", "running_mean", "running_var", "weight", "bias", "training",
                      "momentum", "eps"), (None, None, False, 0.1, 1e-5))
-_RECURRENT = {torch.lstm: "nn.LSTM", torch.gru: "nn.GRU", torch.rnn_tanh: "nn.RNN",
-              torch.rnn_relu: "nn.RNN"}
 
 
 def _params(tape: Tape, items: Any) -> str:
@@ -47,26 +45,3 @@ class BatchNormTrainingRule(Rule):
             f"{tuple(x.shape)}: its statistics mix the samples of a batch, so per-sample "
             "gradients are not defined, and its running statistics would be updated per sample. "
             "Call model.eval(), use GroupNorm or LayerNorm, or track_running_stats=False")
-
-
-class RecurrentRule(Rule):
-    """A recurrent layer's fused kernel with parameters (one subclass per
-    kernel, below): recurrent layers have no rule yet, and vmap has no
-    batching rule for these kernels."""
-
-    module: ClassVar[str]
-
-    @classmethod
-    def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        params = _params(tape, (args, kwargs))
-        if not params:
-            return NOT_HANDLED
-        raise RuntimeError(
-            f"clipped_grad: {cls.module} (torch.{cls.functions[0].__name__}) with parameters "
-            f"{params}: recurrent layers are not supported yet (vmap has no batching rule for "
-            "their fused kernels, nor for the cells'): unroll the recurrence with nn.Linear steps")
-
-
-for _function, _module in _RECURRENT.items():
-    register(type(f"{_function.__name__}Rule", (RecurrentRule,),
-                  {"functions": (_function,), "module": _module}))

@@ -1,0 +1,169 @@
+"""Hand-written baselines of the recurrent scenarios (``scenarios/recurrent.py``).
+
+- ``ensemble_recurrence``: N stacked LSTMs or GRUs run as one batched
+  recurrence: each layer's input projection for every time step in one GEMM,
+  then one ``baddbmm`` per step for the hidden projection of all members.
+  Plain tensor ops, so autograd gives the ensemble's training step.
+- ``member_loop``: the loop a user writes without vmap: one eager fused
+  ``torch._VF.lstm`` / ``torch._VF.gru`` call per member.
+- ``lstm_classifier_per_sample_grads``: per-sample gradients of a 1-layer LSTM
+  classifier (last hidden state -> linear -> cross-entropy): one batched
+  forward keeping the gates, backpropagation through time by hand, and each
+  weight's per-sample gradient one ``bmm`` over time.
+
+Gate order as PyTorch's: LSTM ``i, f, g, o``; GRU ``r, z, n`` with
+``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``. Zero initial state,
+``batch_first`` sequences, no dropout.
+"""
+from typing import List, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .hand_written import cross_entropy_grad
+
+GATES = {"lstm": 4, "gru": 3}
+# One layer's stacked weights: w_ih [N, G*H, I], w_hh [N, G*H, H], b_ih [N, G*H], b_hh [N, G*H].
+RnnLayer = Tuple[Tensor, Tensor, Tensor, Tensor]
+
+
+def _input_projection(x: Tensor, w_ih: Tensor, bias: Tensor) -> Tensor:
+    """Every time step's input projection of every member in one GEMM: ``x``
+    [B, T, I] shared by the members, or [N, B, T, I]. Returns [N, B, T, G*H]."""
+    members, gh, in_f = w_ih.shape
+    if x.dim() == 3:
+        batch, steps, _ = x.shape
+        # B*T,I x I,N*G*H -> B*T,N*G*H, read as [N, B, T, G*H] without a copy
+        w = w_ih.reshape(members * gh, in_f)
+        z = torch.addmm(bias.reshape(-1), x.reshape(batch * steps, in_f), w.t())
+        return z.view(batch, steps, members, gh).permute(2, 0, 1, 3)
+    _, batch, steps, _ = x.shape
+    z = torch.baddbmm(bias.unsqueeze(1), x.reshape(members, batch * steps, in_f), w_ih.transpose(1, 2))
+    return z.view(members, batch, steps, gh)
+
+
+def _lstm_layer(xp: Tensor, w_hh: Tensor) -> Tensor:
+    """The recurrence over projected inputs ``xp`` [N, B, T, 4H] (both biases in it)."""
+    hidden = w_hh.shape[-1]
+    w_t = w_hh.transpose(1, 2)  # N, H, 4H
+    h = c = None
+    outputs = []
+    for t in range(xp.shape[2]):
+        # h0 = 0: the first step has no hidden projection
+        gates = xp[:, :, t] if h is None else torch.baddbmm(xp[:, :, t], h, w_t)
+        sig = torch.sigmoid(gates)
+        i, f, o = sig[..., :hidden], sig[..., hidden:2 * hidden], sig[..., 3 * hidden:]
+        g = torch.tanh(gates[..., 2 * hidden:3 * hidden])
+        c = i * g if c is None else torch.addcmul(f * c, i, g)
+        h = o * torch.tanh(c)
+        outputs.append(h)
+    return torch.stack(outputs, 2)
+
+
+def _gru_layer(xp: Tensor, w_hh: Tensor, b_hh: Tensor) -> Tensor:
+    """The recurrence over projected inputs ``xp`` [N, B, T, 3H] (b_ih in it)."""
+    hidden = w_hh.shape[-1]
+    w_t, b = w_hh.transpose(1, 2), b_hh.unsqueeze(1)  # N, H, 3H; N, 1, 3H
+    h = None
+    outputs = []
+    for t in range(xp.shape[2]):
+        x_t = xp[:, :, t]
+        hh = b if h is None else torch.baddbmm(b, h, w_t)
+        rz = torch.sigmoid(x_t[..., :2 * hidden] + hh[..., :2 * hidden])
+        r, z = rz[..., :hidden], rz[..., hidden:]
+        n = torch.tanh(torch.addcmul(x_t[..., 2 * hidden:], r, hh[..., 2 * hidden:]))
+        # h' = (1 - z) * n + z * h
+        h = n - z * n if h is None else torch.addcmul(n, z, h - n)
+        outputs.append(h)
+    return torch.stack(outputs, 2)
+
+
+def ensemble_recurrence(kind: str, layers: Sequence[RnnLayer], x: Tensor) -> Tensor:
+    """N stacked ``nn.LSTM``/``nn.GRU`` (batch_first, zero initial state) on
+    ``x`` [B, T, I] (shared) or [N, B, T, I]. Returns the last layer's
+    outputs [N, B, T, H]."""
+    h = x
+    for w_ih, w_hh, b_ih, b_hh in layers:
+        if kind == "lstm":
+            h = _lstm_layer(_input_projection(h, w_ih, b_ih + b_hh), w_hh)
+        else:
+            h = _gru_layer(_input_projection(h, w_ih, b_ih), w_hh, b_hh)
+    return h
+
+
+def member_loop(kind: str, members: Sequence[Sequence[Tensor]], x: Tensor, num_layers: int = 1) -> Tensor:
+    """One eager fused call per member (``members[e]``: its flat weights in
+    ``nn.LSTM``'s ``_flat_weights`` order) on the shared ``x`` [B, T, I].
+    Returns [N, B, T, H]."""
+    hidden = members[0][1].shape[-1]
+    h0 = x.new_zeros(num_layers, x.shape[0], hidden)
+    outputs = []
+    for weights in members:
+        if kind == "lstm":
+            out = torch._VF.lstm(x, (h0, h0), list(weights), True, num_layers, 0.0, True, False, True)[0]
+        else:
+            out = torch._VF.gru(x, h0, list(weights), True, num_layers, 0.0, True, False, True)[0]
+        outputs.append(out)
+    return torch.stack(outputs)
+
+
+def lstm_classifier_per_sample_grads(
+    w_ih: Tensor, w_hh: Tensor, b_ih: Tensor, b_hh: Tensor, w_out: Tensor, b_out: Tensor,
+    x: Tensor, y: Tensor,
+) -> List[Tensor]:
+    """Per-sample gradients of ``cross_entropy(linear(lstm(x_i)[-1]), y_i)``
+    for a 1-layer LSTM (I -> H, zero initial state) and a linear head (H -> C).
+    ``x`` [B, T, I], ``y`` [B]. Returns the gradients of ``w_ih, w_hh, b_ih,
+    b_hh, w_out, b_out`` (nn.Module order), each with a leading B."""
+    batch, steps, in_f = x.shape
+    hidden = w_hh.shape[1]
+    h1, h2, h3 = hidden, 2 * hidden, 3 * hidden
+    # Forward into time-major buffers: activated gates [T, B, 4H] (i, f, o
+    # sigmoid; g tanh), tanh of the cells [T, B, H]; cells and hidden states
+    # [T + 1, B, H], row 0 the zero initial state.
+    xp = torch.addmm(b_ih + b_hh, x.transpose(0, 1).reshape(steps * batch, in_f), w_ih.t())
+    xp = xp.view(steps, batch, 4 * hidden)
+    acts = x.new_empty(steps, batch, 4 * hidden)
+    cells = x.new_zeros(steps + 1, batch, hidden)
+    tanh_c = x.new_empty(steps, batch, hidden)
+    hs = x.new_zeros(steps + 1, batch, hidden)
+    w_hh_t = w_hh.t()
+    for t in range(steps):
+        a = acts[t]
+        gates = torch.addmm(xp[t], hs[t], w_hh_t) if t else xp[t]  # h0 = 0: no hidden projection
+        torch.sigmoid(gates, out=a)
+        torch.tanh(gates[:, h2:h3], out=a[:, h2:h3])
+        torch.addcmul(a[:, h1:h2] * cells[t], a[:, :h1], a[:, h2:h3], out=cells[t + 1])
+        torch.tanh(cells[t + 1], out=tanh_c[t])
+        torch.mul(a[:, h3:], tanh_c[t], out=hs[t + 1])
+    logits = torch.addmm(b_out, hs[steps], w_out.t())
+    d_logits = cross_entropy_grad(logits, y)  # B, C
+    # Local derivatives of all steps at once, [T, B, 4H]: d i, d f, d g (pre-
+    # activation) per unit of d c; d o per unit of d h. And d c per d h, [T, B, H].
+    i, f, g, o = acts[..., :h1], acts[..., h1:h2], acts[..., h2:h3], acts[..., h3:]
+    tc = tanh_c
+    local = torch.cat([g * i * (1 - i), cells[:-1] * f * (1 - f), i * (1 - g * g), tc * o * (1 - o)], 2)
+    c_per_h = o * (1 - tc * tc)
+    # Backward through time: dg holds d loss / d gate pre-activations, batch-major.
+    dg = x.new_empty(batch, steps, 4 * hidden)
+    dh = d_logits @ w_out  # B, H
+    dc = torch.zeros_like(dh)  # from the steps after t, through f
+    for t in reversed(range(steps)):
+        d = dg[:, t]
+        dc = torch.addcmul(dc, dh, c_per_h[t])
+        # d i, d f, d g: d c times their local derivatives, one kernel
+        torch.mul(dc.unsqueeze(1), local[t, :, :h3].view(batch, 3, hidden),
+                  out=d[:, :h3].view(batch, 3, hidden))
+        torch.mul(dh, local[t, :, h3:], out=d[:, h3:])
+        if t > 0:
+            dc = dc * f[t]
+            dh = d @ w_hh
+    d_t = dg.transpose(1, 2)  # B, 4H, T
+    g_b = dg.sum(1)  # both biases: a sum over time
+    return [
+        torch.bmm(d_t, x),                           # B,4H,T x B,T,I -> B,4H,I
+        torch.bmm(d_t, hs[:steps].transpose(0, 1)),  # B,4H,T x B,T,H (h_{t-1}) -> B,4H,H
+        g_b, g_b,
+        d_logits.unsqueeze(2) * hs[steps].unsqueeze(1),  # B,C,H
+        d_logits,
+    ]

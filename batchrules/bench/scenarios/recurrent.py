@@ -1,0 +1,313 @@
+"""Recurrent layers (``nn.LSTM``, ``nn.GRU``) under torch.func. Stock torch.func
+cannot ``vmap`` them at all ("Batching rule not implemented for
+aten::lstm.input"); ``vmap(grad)`` runs them through the per-example fallback.
+
+Rows and their variants:
+  rnn_ensemble_fwd, rnn_ensemble_train  N stacked LSTMs / GRUs on one shared
+      batch: the forward, and vmap(grad(mse)) over the members.
+      stock       stock torch.func's way, vmap being out: a per-member loop of
+                  functional_call (grad) over the stacked parameters
+      batchrules  stack_module_state + functional_call + vmap (grad), routing on
+      limit       the hand-batched recurrence (baselines/hand_written_recurrent.py)
+      loop        the eager loop: one fused torch._VF.lstm / gru call per member
+      Target: batchrules >= 0.95x the speed of the faster of loop and limit.
+  rnn_psg_fwd  vmap over per-sample sequences, shared weights. stock is skipped
+      with its error; limit: the eager call on the whole batch (the vmap dim
+      folded into the layer's batch). Target: batchrules <= 1.1x the limit.
+  psg_lstm  vmap(grad) of an LSTM classifier (last hidden -> linear ->
+      cross-entropy). stock: the per-example fallback; limit: hand-written
+      backpropagation through time. Targets: <= 1.3x the limit, >= 5x stock.
+  dp_lstm  the DP step of that classifier: clipped_grad, the non-private step
+      and Opacus' DPLSTM with its hooks (opacus_hooks); clipped_grad, if it
+      refuses the model, is skipped with its error. Targets: clipped_grad
+      <= 1.5x the non-private step, >= 1.5x faster than Opacus.
+"""
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+import batchrules
+
+from ..baselines import hand_written_recurrent as hw
+from ..baselines.opacus_variants import cross_entropy_sum, opacus_clip_variant, with_opacus
+from ..case import Case, CaseSetup, Variant, vmap_identity
+from ..models import cross_entropy, detached_params, in_float64, mse, stacked_ensemble
+from ..targets import Speedup, SpeedupOverBest
+from .dp_step import MAX_NORM, loop_reference, summed_reference
+from .per_sample_grads import per_sample_loop
+
+RNN = {"lstm": nn.LSTM, "gru": nn.GRU}
+QUICK, FULL = frozenset({"quick", "full"}), frozenset({"full"})
+SampleLoss = Callable[[Dict[str, Tensor], Tensor, Tensor], Tensor]
+
+
+class Recurrent(nn.Module):
+    """A batch-first ``nn.LSTM`` / ``nn.GRU`` returning its output sequence."""
+
+    def __init__(self, kind: str, in_features: int, hidden: int) -> None:
+        super().__init__()
+        self.rnn = RNN[kind](in_features, hidden, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.rnn(x)[0]
+
+
+class LstmClassifier(nn.Module):
+    """A 1-layer LSTM over the sequence; its last hidden state -> linear -> logits."""
+
+    def __init__(self, in_features: int, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(in_features, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+@dataclass(frozen=True)
+class Size:
+    """Sequences [batch, steps, in_features]; ``members`` of an ensemble."""
+
+    in_features: int = 32
+    hidden: int = 32
+    batch: int = 16
+    steps: int = 20
+    members: int = 8
+    classes: int = 10
+
+    @property
+    def name(self) -> str:
+        return f"h{self.hidden}"
+
+
+def failure(fn: Callable[[], object]) -> Optional[str]:
+    """None when ``fn()`` runs, else its error in one line."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 (any failure is reported)
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
+
+
+def _off(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with routing off: stock torch.func."""
+    def run() -> object:
+        with batchrules.enabled(False):
+            return fn()
+    return run
+
+
+def ensemble_case(kind: str, size: Size, train: bool, tier: str) -> Case:
+    def build(device: torch.device) -> CaseSetup:
+        models = [Recurrent(kind, size.in_features, size.hidden).to(device) for _ in range(size.members)]
+        params, buffers, base = stacked_ensemble(models)
+        params = {k: v.detach() for k, v in params.items()}
+        keys = [f"rnn.{n}" for n in models[0].rnn._flat_weights_names]  # w_ih, w_hh, b_ih, b_hh
+        x = torch.randn(size.batch, size.steps, size.in_features, device=device)
+        y = torch.randn(size.batch, size.steps, size.hidden, device=device)
+        x64, y64 = x.cpu().double(), y.cpu().double()
+        member_params = [{k: v[e] for k, v in params.items()} for e in range(size.members)]
+
+        def member(p: Dict[str, Tensor], b: Dict[str, Tensor], xi: Tensor) -> Tensor:
+            return functional_call(base, (p, b), (xi,))
+
+        def member_loss(p: Dict[str, Tensor], b: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+            return mse(member(p, b, xi), yi)
+
+        in_dims = (0, 0, None) + ((None,) if train else ())
+        args = (params, buffers, x) + ((y,) if train else ())
+        vmapped = vmap(grad(member_loss) if train else member, in_dims=in_dims)
+        # Fresh leaves for the hand-written steps: stacked (limit), per member (loop).
+        stacked = [params[k].clone().requires_grad_(train) for k in keys]
+        per_member = [[t[e].clone().requires_grad_(train) for t in stacked] for e in range(size.members)]
+        scale = 1.0 / (size.batch * size.steps * size.hidden)
+
+        def user_code() -> Dict[str, Tensor]:
+            return vmapped(*args)
+
+        if train:
+            member_grad = grad(member_loss)
+
+            def stock() -> Dict[str, Tensor]:
+                rows = [member_grad(p, buffers, x, y) for p in member_params]
+                return {k: torch.stack([r[k] for r in rows]) for k in params}
+
+            def limit() -> List[Tensor]:
+                out = hw.ensemble_recurrence(kind, [tuple(stacked)], x)
+                return list(torch.autograd.grad((out - y).square().sum() * scale, stacked))
+
+            def loop() -> List[Tensor]:
+                out = hw.member_loop(kind, per_member, x)
+                flat = [t for ws in per_member for t in ws]
+                grads = torch.autograd.grad((out - y).square().sum() * scale, flat)
+                return [torch.stack(grads[j::len(keys)]) for j in range(len(keys))]
+
+            def reference() -> List[Tensor]:
+                rows = []
+                for m in models:
+                    m64 = in_float64(m)
+                    rows.append(torch.autograd.grad(mse(m64(x64), y64), list(m64.parameters())))
+                return [torch.stack(column) for column in zip(*rows)]
+        else:
+            def stock() -> Tensor:
+                return torch.stack([member(p, buffers, x) for p in member_params])
+
+            def limit() -> Tensor:
+                return hw.ensemble_recurrence(kind, [tuple(stacked)], x)
+
+            def loop() -> Tensor:
+                return hw.member_loop(kind, per_member, x)
+
+            def reference() -> Tensor:
+                return torch.stack([in_float64(m)(x64) for m in models])
+
+        notes = []
+        why = failure(_off(lambda: vmap(member, in_dims=(0, 0, None))(params, buffers, x)))
+        if why is not None:
+            notes.append(f"stock vmap: {why}")
+        return CaseSetup(
+            variants=[
+                Variant("stock", stock, routing=False, user_code=True),
+                Variant("batchrules", user_code, routing=True, user_code=True),
+                Variant("limit", limit),
+                Variant("loop", loop),
+            ],
+            reference=reference, notes=notes, floor=vmap_identity(in_dims, args, returned=0))
+
+    step = "vmap(grad(mse)) over" if train else "forward of"
+    return Case(
+        "rnn_ensemble_train" if train else "rnn_ensemble_fwd", f"{kind}_{size.name}", tier, 0,
+        f"{step} {size.members} nn.{kind.upper()}({size.in_features}, {size.hidden}), shared input "
+        f"[{size.batch}, {size.steps}, {size.in_features}]; stock: per-member functional_call loop "
+        "(stock vmap cannot run it)", build,
+        [SpeedupOverBest("RNN ensemble: batchrules >= 0.95x the speed of the faster of loop and limit "
+                         "(min(loop, limit) / batchrules >= 0.95)", ("loop", "limit"), "batchrules", 0.95)])
+
+
+def per_sample_forward_case(kind: str, size: Size, tier: str) -> Case:
+    def build(device: torch.device) -> CaseSetup:
+        model = Recurrent(kind, size.in_features, size.hidden).to(device)
+        params = detached_params(model)
+        x = torch.randn(size.batch, size.steps, size.in_features, device=device)
+        per_sample = vmap(lambda p, xi: functional_call(model, p, (xi.unsqueeze(0),))[0], in_dims=(None, 0))
+
+        def user_code() -> Tensor:
+            return per_sample(params, x)
+
+        def folded() -> Tensor:
+            with torch.no_grad():
+                return model(x)
+
+        setup = CaseSetup(
+            variants=[Variant("batchrules", user_code, routing=True, user_code=True),
+                      Variant("limit", folded)],
+            reference=lambda: in_float64(model)(x.cpu().double()),
+            floor=vmap_identity((None, 0), (params, x)))
+        why = failure(_off(user_code))
+        if why is None:
+            setup.variants.insert(0, Variant("stock", user_code, routing=False, user_code=True))
+        else:
+            setup.skipped["stock"] = f"stock vmap: {why}"
+        return setup
+
+    return Case(
+        "rnn_psg_fwd", f"{kind}_b{size.batch}", tier, 0,
+        f"vmap over {size.batch} sequences [{size.steps}, {size.in_features}] of one "
+        f"nn.{kind.upper()}({size.in_features}, {size.hidden}); limit: the eager call on the batch", build,
+        [Speedup("RNN per-sample forward: batchrules <= 1.1x the eager call on the folded batch "
+                 "(limit / batchrules >= 0.91)", "limit", "batchrules", 1 / 1.1)])
+
+
+def _classifier(size: Size, device: torch.device) -> Tuple[nn.Module, Tensor, Tensor, SampleLoss]:
+    model = LstmClassifier(size.in_features, size.hidden, size.classes).to(device)
+    x = torch.randn(size.batch, size.steps, size.in_features, device=device)
+    y = torch.randint(0, size.classes, (size.batch,), device=device)
+
+    def sample_loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        return cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    return model, x, y, sample_loss
+
+
+def _classifier_text(size: Size) -> str:
+    return (f"LSTM({size.in_features}, {size.hidden}) over [{size.steps}, {size.in_features}], last hidden "
+            f"-> linear to {size.classes}, cross-entropy, batch {size.batch}")
+
+
+def per_sample_grads_case(size: Size, tier: str) -> Case:
+    def build(device: torch.device) -> CaseSetup:
+        model, x, y, sample_loss = _classifier(size, device)
+        params = detached_params(model)
+        per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
+        weights = list(params.values())
+
+        def user_code() -> Dict[str, Tensor]:
+            return per_sample_grads(params, x, y)
+
+        return CaseSetup(
+            variants=[Variant("stock", user_code, routing=False, user_code=True),
+                      Variant("batchrules", user_code, routing=True, user_code=True),
+                      Variant("limit", lambda: hw.lstm_classifier_per_sample_grads(*weights, x, y))],
+            reference=lambda: per_sample_loop(model, x, y),
+            floor=vmap_identity((None, 0, 0), (params, x, y), returned=0))
+
+    return Case(
+        "psg_lstm", f"b{size.batch}", tier, 1, f"per-sample grads, {_classifier_text(size)}", build,
+        [Speedup("LSTM per-sample grads: batchrules <= 1.3x the limit (limit / batchrules >= 0.77)",
+                 "limit", "batchrules", 1 / 1.3),
+         Speedup("LSTM per-sample grads: batchrules >= 5x faster than stock (stock / batchrules >= 5)",
+                 "stock", "batchrules", 5.0)])
+
+
+def dp_case(size: Size, tier: str) -> Case:
+    def build(device: torch.device) -> CaseSetup:
+        model, x, y, sample_loss = _classifier(size, device)
+        params = detached_params(model)
+        clipped = batchrules.clipped_grad(sample_loss, MAX_NORM)
+        trainable = list(model.parameters())
+
+        def transform() -> List[Tensor]:
+            sums, norms = clipped(params, x, y)
+            return [*sums.values(), norms]
+
+        def nonprivate() -> List[Tensor]:
+            return list(torch.autograd.grad(cross_entropy_sum(model(x), y), trainable))
+
+        setup = CaseSetup(
+            variants=[Variant("nonprivate", nonprivate, reference=lambda: summed_reference(model, x, y))],
+            reference=lambda: loop_reference(model, x, y))
+        why = failure(lambda: clipped(params, x[:2], y[:2]))
+        if why is None:
+            setup.variants.insert(0, Variant("clipped_grad", transform))
+        else:
+            setup.skipped["clipped_grad"] = why
+        # ModuleValidator.fix swaps nn.LSTM for Opacus' DPLSTM (same parameter names).
+        return with_opacus(setup, ["opacus_hooks"], lambda: [opacus_clip_variant(
+            model, x, y, cross_entropy_sum, MAX_NORM, lambda m: loop_reference(m, x, y))])
+
+    return Case(
+        "dp_lstm", f"b{size.batch}", tier, 1, f"DP-SGD clipping, {_classifier_text(size)}; Opacus: DPLSTM",
+        build,
+        [Speedup("DP LSTM: clipped_grad <= 1.5x the non-private step (nonprivate / clipped_grad >= 0.67)",
+                 "nonprivate", "clipped_grad", 1 / 1.5),
+         Speedup("DP LSTM: clipped_grad >= 1.5x faster than Opacus DPLSTM (opacus_hooks)",
+                 "opacus_hooks", "clipped_grad", 1.5)])
+
+
+SMALL, MEDIUM = Size(hidden=32), Size(hidden=128)
+CLASSIFIER = Size(hidden=128, batch=32)
+
+
+def cases(mode: str) -> List[Case]:
+    """The recurrent cases of a mode: the hidden-32 ensemble forwards and the
+    per-sample gradients with --quick, every row with --full."""
+    rows = [(QUICK, ensemble_case(k, SMALL, False, "small")) for k in RNN]
+    rows += [(FULL, ensemble_case(k, MEDIUM, False, "medium")) for k in RNN]
+    rows += [(FULL, ensemble_case(k, SMALL, True, "small")) for k in RNN]
+    rows += [(FULL, ensemble_case(k, MEDIUM, True, "medium")) for k in RNN]
+    rows += [(FULL, per_sample_forward_case(k, CLASSIFIER, "medium")) for k in RNN]
+    rows += [(QUICK, per_sample_grads_case(CLASSIFIER, "medium")), (FULL, dp_case(CLASSIFIER, "medium"))]
+    return [case for modes, case in rows if mode in modes]

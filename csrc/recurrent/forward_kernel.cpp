@@ -1,0 +1,131 @@
+// The forward of the grouped recurrence as the op's kernel runs it.
+//
+// Note [The recurrence kernels]
+// forward.cpp / backward.cpp are the recurrence as functional aten ops: what
+// autograd can differentiate (the decomposition). Run as the kernel, most of
+// their time went to allocations and small ops per step, not to the GEMM
+// that is the step's real work. The kernels write each step into
+// preallocated outputs with out= ops (one GEMM and a few pointwise ops per
+// step, each vectorized by aten), and the backward moves everything that
+// depends only on the forward's saved gates out of the loop: the gates'
+// derivative coefficients are computed for all steps at once, so a step of
+// the backward is its GEMM and three or four pointwise ops.
+#include "recurrent/recurrence.h"
+
+#include <ATen/ATen.h>
+
+namespace batchrules {
+
+namespace {
+
+struct Buffers {
+  Tensor output, workspace, gates, scratch;
+};
+
+// i,f,g,o,c (+ h before the projection) into the workspace row; h into out_t.
+// gates = x_t + h W_hh^T + b_hh; g's tanh as 2 sigmoid(2x) - 1, in the same
+// sigmoid call as i, f, o (Note [tanh as a sigmoid]).
+void lstm_step(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& c,
+               const Tensor& bias, const Tensor& w_hh_t, const Tensor& w_hr_t, int64_t t,
+               int64_t H) {
+  at::baddbmm_out(b.gates, x_t, h, w_hh_t);
+  if (bias.defined()) {
+    b.gates.add_(bias);
+  }
+  b.gates.narrow(-1, 2 * H, H).mul_(2);
+  Tensor ws = b.workspace.select(0, t);
+  Tensor act = ws.narrow(-1, 0, 4 * H);
+  at::sigmoid_out(act, b.gates);
+  Tensor g = act.narrow(-1, 2 * H, H);
+  g.mul_(2).sub_(1);
+  Tensor c_new = ws.narrow(-1, 4 * H, H);
+  at::mul_out(c_new, act.narrow(-1, H, H), c);      // f c
+  c_new.addcmul_(act.narrow(-1, 0, H), g);          // + i g
+  at::mul_out(b.scratch, c_new, 2);
+  b.scratch.sigmoid_().mul_(2).sub_(1);              // tanh(c')
+  Tensor out_t = b.output.select(0, t);
+  if (!w_hr_t.defined()) {
+    at::mul_out(out_t, act.narrow(-1, 3 * H, H), b.scratch);
+    return;
+  }
+  Tensor h_raw = ws.narrow(-1, 5 * H, H);
+  at::mul_out(h_raw, act.narrow(-1, 3 * H, H), b.scratch);
+  at::bmm_out(out_t, h_raw, w_hr_t);  // E,N,H x E,H,P -> E,N,P
+}
+
+// r,z,n and hn = (h W_hh^T + b_hh)_n into the workspace row; h' into out_t.
+void gru_step(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& bias,
+              const Tensor& w_hh_t, int64_t t, int64_t H) {
+  if (bias.defined()) {
+    at::baddbmm_out(b.gates, bias, h, w_hh_t);
+  } else {
+    at::bmm_out(b.gates, h, w_hh_t);
+  }
+  Tensor ws = b.workspace.select(0, t);
+  Tensor rz = ws.narrow(-1, 0, 2 * H);
+  Tensor n = ws.narrow(-1, 2 * H, H);
+  at::add_out(rz, x_t.narrow(-1, 0, 2 * H), b.gates.narrow(-1, 0, 2 * H));
+  rz.sigmoid_();
+  Tensor hn = ws.narrow(-1, 3 * H, H);
+  hn.copy_(b.gates.narrow(-1, 2 * H, H));
+  at::mul_out(n, rz.narrow(-1, 0, H), hn);
+  tanh_in_place(n.add_(x_t.narrow(-1, 2 * H, H)));
+  Tensor out_t = b.output.select(0, t);  // n + z (h - n)
+  at::sub_out(out_t, h, n);
+  out_t.mul_(rz.narrow(-1, H, H)).add_(n);
+}
+
+void rnn_step(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& bias,
+              const Tensor& w_hh_t, int64_t t, RnnMode mode) {
+  Tensor out_t = b.output.select(0, t);
+  at::baddbmm_out(out_t, x_t, h, w_hh_t);
+  if (bias.defined()) {
+    out_t.add_(bias);
+  }
+  mode == RnnMode::RnnTanh ? tanh_in_place(out_t) : out_t.relu_();
+}
+
+}  // namespace
+
+RecurrenceOutputs recurrence_forward_kernel(const Tensor& input_gates, const Tensor& h0,
+                                            const Tensor& c0, const Tensor& w_hh,
+                                            const Tensor& b_hh, const Tensor& w_hr, RnnMode mode,
+                                            bool reverse) {
+  const int64_t T = input_gates.size(0);
+  const int64_t E = h0.size(0), N = h0.size(1), P = h0.size(2);
+  const int64_t GH = w_hh.size(1), H = GH / gate_count(mode);
+  const auto options = input_gates.options();
+  Buffers b;
+  b.output = at::empty({T, E, N, P}, options);
+  b.workspace = at::empty({T, E, N, workspace_width(mode, H, w_hr.defined())}, options);
+  b.gates = at::empty({E, N, GH}, options);
+  b.scratch = at::empty({E, N, H}, options);
+  const Tensor w_hh_t = w_hh.transpose(1, 2);                          // E,P,GH
+  const Tensor w_hr_t = w_hr.defined() ? w_hr.transpose(1, 2) : w_hr;  // E,H,P
+  const bool gru = mode == RnnMode::Gru;
+  const Tensor bias = b_hh.defined() ? b_hh.unsqueeze(1) : b_hh;  // E,1,GH
+  const Tensor& x = input_gates;
+
+  Tensor h = h0, c = c0;
+  for (int64_t s = 0; s < T; ++s) {
+    const int64_t t = reverse ? T - 1 - s : s;
+    const Tensor x_t = x.select(0, t);
+    if (mode == RnnMode::Lstm) {
+      lstm_step(b, x_t, h, c, bias, w_hh_t, w_hr_t, t, H);
+      c = b.workspace.select(0, t).narrow(-1, 4 * H, H);
+    } else if (gru) {
+      gru_step(b, x_t, h, bias, w_hh_t, t, H);
+    } else {
+      rnn_step(b, x_t, h, bias, w_hh_t, t, mode);
+    }
+    h = b.output.select(0, t);
+  }
+  RecurrenceOutputs result;
+  result.output = b.output;
+  result.workspace = b.workspace;
+  result.h_n = h.clone();
+  result.c_n = c.defined() ? c.clone() : c;
+  return result;
+}
+
+}  // namespace batchrules

@@ -1,0 +1,138 @@
+// The module-level structure aten's RNN ops have (layers, directions, dropout
+// between layers, batch_first), around one recurrence per layer and direction.
+#include "recurrent/layers.h"
+
+#include "common/autocast.h"
+#include "common/transform_stack.h"
+#include "recurrent/decomposition.h"
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace batchrules {
+
+namespace {
+
+const char* mode_name(RnnMode mode) {
+  switch (mode) {
+    case RnnMode::Lstm: return "lstm";
+    case RnnMode::Gru: return "gru";
+    case RnnMode::RnnTanh: return "rnn_tanh";
+    default: return "rnn_relu";
+  }
+}
+
+OptTensor maybe(const Tensor& t) {
+  return t.defined() ? OptTensor(t) : std::nullopt;
+}
+
+// See Note [Recurrent layers under higher-order transforms].
+RecurrenceResult recurrence(const Tensor& gates, const Tensor& h0, const Tensor& c0,
+                            const Tensor& w_hh, const OptTensor& b_hh, const OptTensor& w_hr,
+                            RnnMode mode, bool reverse) {
+  const auto m = static_cast<int64_t>(mode);
+  if (higher_order_transforms()) {
+    return rnn_recurrence_decomposed(gates, h0, maybe(c0), w_hh, b_hh, w_hr, m, reverse);
+  }
+  return rnn_recurrence_op().call(gates, h0, maybe(c0), w_hh, b_hh, w_hr, m, reverse);
+}
+
+// x: T,N,I x GH,I -> T,N,GH, then the loop over T. Under autocast the
+// projection is linear's lower precision; GRU and the cells then run their
+// state in its own dtype, as aten's composite GRU and cells do (their state
+// arithmetic promotes to it).
+RecurrenceResult layer_direction(const Tensor& x, const Tensor& h0, const Tensor& c0,
+                                 const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
+                                 const OptTensor& b_hh, const OptTensor& w_hr, RnnMode mode,
+                                 bool reverse) {
+  Tensor gates = at::linear(x, w_ih, b_ih);
+  if (gates.scalar_type() != h0.scalar_type() && autocast_enabled_for(x)) {
+    gates = gates.to(h0.scalar_type());
+  }
+  return recurrence(gates, h0, c0, w_hh, b_hh, w_hr, mode, reverse);
+}
+
+// oneDNN's LSTM kind (ideep::rnn_kind::LSTM) in aten::mkldnn_rnn_layer.
+constexpr int64_t kOneDnnLstm = 2;
+
+// T,N,I -> T,N,H through oneDNN's fused layer, which reads dense time-major
+// operands and takes zeros for absent biases.
+RecurrenceResult fused_lstm_layer(const Tensor& x, const Tensor& h0, const Tensor& c0,
+                                  const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
+                                  const OptTensor& b_hh, bool reverse, const RnnOptions& o) {
+  const int64_t gh = w_hh.size(0);
+  const auto bias = [&](const OptTensor& b) {
+    return b.has_value() ? *b : at::zeros({gh}, w_hh.options());
+  };
+  auto [out, hy, cy, ws] = at::mkldnn_rnn_layer(
+      x.contiguous(), w_ih, w_hh, bias(b_ih), bias(b_hh), h0.contiguous(), c0.contiguous(),
+      reverse, {}, kOneDnnLstm, w_hh.size(1), o.num_layers, o.has_biases, o.bidirectional,
+      /*batch_first=*/false, o.train);
+  return {out, hy, cy, ws};
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> run_rnn(const Tensor& input, const Tensor& hx, const Tensor& cx,
+                                           at::TensorList params, const RnnOptions& o) {
+  const char* name = mode_name(o.mode);
+  const bool lstm = o.mode == RnnMode::Lstm;
+  TORCH_CHECK(input.dim() == 3, name, ": expected input of shape [T, N, I] ([N, T, I] with ",
+              "batch_first), but got ", input.sizes());
+  const bool projected = lstm && hx.size(-1) != cx.size(-1);
+  const int64_t directions = o.bidirectional ? 2 : 1;
+  const int64_t per_layer = 2 + 2 * o.has_biases + projected;
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == o.num_layers * directions * per_layer, name,
+              ": expected ", o.num_layers * directions * per_layer, " parameters for ",
+              o.num_layers, " layers and ", directions, " directions, but got ", params.size());
+  Tensor x = o.batch_first ? input.transpose(0, 1) : input;
+  const int64_t batch = x.size(1), state = params[1].size(1);
+  TORCH_CHECK(x.size(2) == params[0].size(1), name, ": expected input with ", params[0].size(1),
+              " features, but got input of shape ", input.sizes());
+  TORCH_CHECK(hx.sizes() == at::IntArrayRef({o.num_layers * directions, batch, state}), name,
+              ": expected hidden state of shape [", o.num_layers * directions, ", ", batch, ", ",
+              state, "], but got ", hx.sizes());
+
+  std::vector<Tensor> h_n, c_n;
+  for (int64_t layer = 0; layer < o.num_layers; ++layer) {
+    std::vector<Tensor> outputs;
+    for (int64_t d = 0; d < directions; ++d) {
+      const int64_t index = layer * directions + d;
+      const Tensor* p = params.data() + index * per_layer;
+      const OptTensor b_ih = o.has_biases ? maybe(p[2]) : std::nullopt;
+      const OptTensor b_hh = o.has_biases ? maybe(p[3]) : std::nullopt;
+      const OptTensor w_hr = projected ? maybe(p[per_layer - 1]) : std::nullopt;
+      const Tensor h0 = hx.select(0, index), c0 = lstm ? cx.select(0, index) : Tensor();
+      auto [out, hn, cn, ws] =
+          o.fused_cpu ? fused_lstm_layer(x, h0, c0, p[0], p[1], b_ih, b_hh, d == 1, o)
+                      : layer_direction(x, h0, c0, p[0], p[1], b_ih, b_hh, w_hr, o.mode, d == 1);
+      outputs.push_back(out);
+      h_n.push_back(hn);
+      c_n.push_back(cn);
+    }
+    x = directions == 2 ? at::cat(outputs, -1) : outputs[0];
+    if (o.dropout > 0 && o.train && layer + 1 < o.num_layers) {
+      x = at::dropout(x, o.dropout, o.train);
+    }
+  }
+  return {o.batch_first ? x.transpose(0, 1) : x, at::stack(h_n),
+          lstm ? at::stack(c_n) : Tensor()};
+}
+
+std::tuple<Tensor, Tensor> run_cell(const Tensor& input, const Tensor& hx, const Tensor& cx,
+                                    const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
+                                    const OptTensor& b_hh, RnnMode mode) {
+  const char* name = mode_name(mode);
+  TORCH_CHECK(input.dim() == 2 && input.size(1) == w_ih.size(1), name,
+              "_cell: expected input of shape [N, ", w_ih.size(1), "], but got ", input.sizes());
+  TORCH_CHECK(hx.dim() == 2 && hx.size(0) == input.size(0) && hx.size(1) == w_hh.size(1), name,
+              "_cell: expected hidden state of shape [", input.size(0), ", ", w_hh.size(1),
+              "], but got ", hx.sizes());
+  // N,I -> 1,N,I: one step
+  auto [out, hn, cn, ws] = layer_direction(input.unsqueeze(0), hx, cx, w_ih, w_hh, b_ih, b_hh,
+                                           std::nullopt, mode, false);
+  return {hn, cn};
+}
+
+}  // namespace batchrules

@@ -1,0 +1,37 @@
+// aten's recurrent ops (nn.LSTM/GRU/RNN and their cells) as linear input
+// projections and batchrules::rnn_recurrence: what routes.cpp sends them to.
+#pragma once
+
+#include "ops.h"
+#include "recurrent/recurrence.h"
+
+#include <ATen/core/List.h>
+
+namespace batchrules {
+
+struct RnnOptions {
+  RnnMode mode;
+  bool has_biases;
+  int64_t num_layers;
+  double dropout;
+  bool train;
+  bool bidirectional;
+  bool batch_first;
+  // LSTM layers as aten::mkldnn_rnn_layer (Note [Fused LSTM layers where
+  // nothing is differentiated], routes.cpp).
+  bool fused_cpu = false;
+};
+
+// aten::lstm/gru/rnn_*.input: input [T, N, I] ([N, T, I] batch_first), hx
+// [L*D, N, P], cx [L*D, N, H] (LSTM), params per layer and direction
+// w_ih, w_hh, (b_ih, b_hh), (w_hr). Returns output, h_n and c_n (LSTM).
+std::tuple<Tensor, Tensor, Tensor> run_rnn(const Tensor& input, const Tensor& hx, const Tensor& cx,
+                                           at::TensorList params, const RnnOptions& options);
+
+// aten::lstm_cell/gru_cell/rnn_*_cell: input [N, I], hx [N, H]; returns h'
+// and c' (LSTM).
+std::tuple<Tensor, Tensor> run_cell(const Tensor& input, const Tensor& hx, const Tensor& cx,
+                                    const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
+                                    const OptTensor& b_hh, RnnMode mode);
+
+}  // namespace batchrules

@@ -1,0 +1,87 @@
+// The recurrent family's math: one layer, one direction, computed below every
+// transform on physical tensors (Note [The grouped recurrence]).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace batchrules {
+
+using at::Tensor;
+
+// Note [The grouped recurrence]
+// batchrules::rnn_recurrence is the part of an RNN layer that cannot be one
+// GEMM: the loop over time. The input projection x W_ih^T + b_ih of all steps
+// is an ordinary linear call made before it (so it gets linear's rules, and
+// clipped_grad sees it as a linear use of W_ih). Its operands either have one
+// set of weights or a leading group dim E, one set per group:
+//   input_gates  T,N,GH   or T,E,N,GH   (x W_ih^T + b_ih for every step)
+//   h0           N,P      or E,N,P      (P: proj_size, else H)
+//   c0 (LSTM)    N,H      or E,N,H
+//   w_hh         GH,P     or E,GH,P     (G gates of H each: 4 LSTM, 3 GRU, 1 RNN)
+//   b_hh         GH       or E,GH
+//   w_hr (LSTM)  P,H      or E,P,H
+// Grouping is what the batching rules use: per-sample inputs with shared
+// weights fold the vmap dim into N, batched weights (ensembles) fold it into
+// E, and every step is then one bmm over all groups, one kernel call for the
+// whole vmap. The math below always works on the grouped form, E = 1 for one
+// set of weights, and is written functionally in aten ops: run below
+// autograd it is the op's kernel; run above, it is its own differentiable
+// decomposition (forward AD, second derivatives).
+enum class RnnMode : int64_t { Lstm = 0, Gru = 1, RnnTanh = 2, RnnRelu = 3 };
+
+RnnMode rnn_mode(int64_t mode);
+
+// Note [tanh as a sigmoid]
+// tanh(x) = 2 sigmoid(2x) - 1. On the CPU aten's sigmoid is vectorized where
+// its tanh is ~9x slower per element (AVX512 builds of torch 2.13), and the
+// recurrence kernels evaluate tanh on every step; the three cheap ops cost a
+// fraction of it (an absolute error of a few ulps of 1, none near 0 relative
+// to the tolerance of the gates).
+Tensor& tanh_in_place(Tensor& t);
+Tensor tanh_of(const Tensor& t);
+int64_t gate_count(RnnMode mode);
+// Width of a step's saved state in the workspace (see recurrence_forward).
+int64_t workspace_width(RnnMode mode, int64_t hidden, bool projected);
+
+struct RecurrenceOutputs {
+  Tensor output;     // T,E,N,P  h of every step, in input time order
+  Tensor h_n;        // E,N,P
+  Tensor c_n;        // E,N,H (LSTM), else undefined
+  Tensor workspace;  // T,E,N,K  what the backward reads (no gradient)
+};
+
+// Grouped operands as in Note [The grouped recurrence]. The functional form
+// (aten ops, differentiable: the decomposition) and the kernel's, which
+// writes into preallocated outputs with out= ops (Note [The recurrence
+// kernels]); both give the same values.
+RecurrenceOutputs recurrence_forward_kernel(const Tensor& input_gates, const Tensor& h0,
+                                            const Tensor& c0, const Tensor& w_hh,
+                                            const Tensor& b_hh, const Tensor& w_hr, RnnMode mode,
+                                            bool reverse);
+RecurrenceOutputs recurrence_forward(const Tensor& input_gates, const Tensor& h0,
+                                     const Tensor& c0, const Tensor& w_hh, const Tensor& b_hh,
+                                     const Tensor& w_hr, RnnMode mode, bool reverse);
+
+struct RecurrenceGrads {
+  Tensor input_gates;   // T,E,N,GH  gradient of input_gates
+  Tensor hidden_gates;  // T,E,N,GH  of h W_hh^T + b_hh; undefined where equal (LSTM, RNN)
+  Tensor h0;            // E,N,P
+  Tensor c0;            // E,N,H (LSTM)
+  Tensor projected;     // T,E,N,P  of each step's projected h (LSTM with w_hr)
+};
+
+// Backward through time; undefined output gradients count as zeros.
+RecurrenceGrads recurrence_backward_kernel(const Tensor& grad_output, const Tensor& grad_h_n,
+                                           const Tensor& grad_c_n, const Tensor& h0,
+                                           const Tensor& c0, const Tensor& w_hh, const Tensor& w_hr,
+                                           const Tensor& output, const Tensor& workspace,
+                                           RnnMode mode, bool reverse);
+RecurrenceGrads recurrence_backward(const Tensor& grad_output, const Tensor& grad_h_n,
+                                    const Tensor& grad_c_n, const Tensor& h0, const Tensor& c0,
+                                    const Tensor& w_hh, const Tensor& w_hr, const Tensor& output,
+                                    const Tensor& workspace, RnnMode mode, bool reverse);
+
+}  // namespace batchrules

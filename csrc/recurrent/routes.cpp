@@ -1,0 +1,143 @@
+// The recurrent family's kernels for aten ops while routing is on (see Note
+// [Routing aten ops only while transforms are active]):
+//  - FuncTorchDynamicLayerFrontMode: aten's LSTM/GRU/RNN ops and cells, run
+//    as layers.cpp composes them, so that each layer and direction is a linear
+//    call and one batchrules::rnn_recurrence with its own rules and autograd;
+//  - FuncTorchBatched: aten's fused CPU LSTM layer (Note [Fused LSTM layers
+//    where nothing is differentiated]), and the packed-sequence overloads, which vmap cannot
+//    express (a PackedSequence's batch_sizes are data, not a dim), with an
+//    error that says what to do instead.
+#include "common/autocast.h"
+#include "common/transform_stack.h"
+#include "recurrent/batch_rules.h"
+#include "recurrent/layers.h"
+#include "routing.h"
+
+#include <ATen/Context.h>
+
+namespace batchrules {
+
+namespace {
+
+using at::TensorList;
+
+// The route replaces aten's op above its Autocast kernel: aten casts the LSTM
+// and RNN layers' operands to lower precision (their fused CPU and CUDA
+// kernels are on the list); GRU and the cells are composites whose linear
+// calls autocast casts (layers.cpp). Note [Autocast policy of batchrules'
+// operators].
+std::vector<Tensor> cast_all(const LowerPrecisionCast& cast, TensorList ts) {
+  std::vector<Tensor> out;
+  for (const auto& t : ts) {
+    out.push_back(cast(t));
+  }
+  return out;
+}
+
+// Note [Fused LSTM layers where nothing is differentiated]
+// On the CPU aten runs an LSTM as oneDNN's fused layer, whose per-step GEMMs
+// are faster than the MKL calls rnn_recurrence makes; but its backward sums
+// weight gradients over the batch (no per-sample gradients) and, under the
+// create_graph=True of functorch's grad, is a composite of per-step ops. So
+// where no grad or jvp level is active (vmap alone: inference, or the plain
+// autograd of a loss outside the transforms), each layer and direction is
+// aten's fused layer, as aten's LSTM runs it, and gets mkldnn_rnn_layer_batched:
+// one call over the folded rows, or one per ensemble member. Only where
+// oneDNN would run it eagerly: float32 CPU tensors, no projection, oneDNN
+// enabled, no autocast (which would make the operands bfloat16).
+bool fused_cpu_lstm_applies(const Tensor& input, TensorList hx, TensorList params) {
+  if (!at::globalContext().userEnabledMkldnn() || inside_reverse_or_forward_ad() ||
+      autocast_enabled_for(input) ||
+      input.numel() == 0 || hx[0].size(-1) != hx[1].size(-1)) {
+    return false;
+  }
+  const auto cpu_float = [](const Tensor& t) {
+    return t.device().is_cpu() && t.scalar_type() == at::kFloat;
+  };
+  return cpu_float(input) && std::all_of(hx.begin(), hx.end(), cpu_float) &&
+         std::all_of(params.begin(), params.end(), cpu_float);
+}
+
+std::tuple<Tensor, Tensor, Tensor> routed_lstm(const Tensor& input, TensorList hx,
+                                               TensorList params, bool has_biases,
+                                               int64_t num_layers, double dropout, bool train,
+                                               bool bidirectional, bool batch_first) {
+  TORCH_CHECK(hx.size() == 2, "lstm: expected two hidden states (h0, c0), but got ", hx.size());
+  const bool fused = fused_cpu_lstm_applies(input, hx, params);
+  if (!fused && autocast_enabled_for(input)) {
+    const LowerPrecisionCast cast(input.device().type());
+    return routed_lstm(cast(input), cast_all(cast, hx), cast_all(cast, params), has_biases,
+                       num_layers, dropout, train, bidirectional, batch_first);
+  }
+  return run_rnn(input, hx[0], hx[1], params,
+                 {RnnMode::Lstm, has_biases, num_layers, dropout, train, bidirectional,
+                  batch_first, fused});
+}
+
+template <RnnMode mode>
+std::tuple<Tensor, Tensor> routed_rnn(const Tensor& input, const Tensor& hx, TensorList params,
+                                      bool has_biases, int64_t num_layers, double dropout,
+                                      bool train, bool bidirectional, bool batch_first) {
+  if (mode != RnnMode::Gru && autocast_enabled_for(input)) {
+    const LowerPrecisionCast cast(input.device().type());
+    return routed_rnn<mode>(cast(input), cast(hx), cast_all(cast, params), has_biases,
+                            num_layers, dropout, train, bidirectional, batch_first);
+  }
+  auto [output, h_n, c_n] = run_rnn(
+      input, hx, Tensor(), params,
+      {mode, has_biases, num_layers, dropout, train, bidirectional, batch_first});
+  return {output, h_n};
+}
+
+std::tuple<Tensor, Tensor> routed_lstm_cell(const Tensor& input, TensorList hx,
+                                            const Tensor& w_ih, const Tensor& w_hh,
+                                            const OptTensor& b_ih, const OptTensor& b_hh) {
+  TORCH_CHECK(hx.size() == 2, "lstm_cell: expected two hidden states (h, c), but got ",
+              hx.size());
+  return run_cell(input, hx[0], hx[1], w_ih, w_hh, b_ih, b_hh, RnnMode::Lstm);
+}
+
+template <RnnMode mode>
+Tensor routed_cell(const Tensor& input, const Tensor& hx, const Tensor& w_ih, const Tensor& w_hh,
+                   const OptTensor& b_ih, const OptTensor& b_hh) {
+  return std::get<0>(run_cell(input, hx, Tensor(), w_ih, w_hh, b_ih, b_hh, mode));
+}
+
+[[noreturn]] void packed_under_vmap(const char* op) {
+  TORCH_CHECK(false, "batchrules: ", op,
+              " over a PackedSequence cannot be vmapped: a packed batch's layout is data "
+              "(batch_sizes), not a dim. Pad the sequences (nn.utils.rnn.pad_packed_sequence "
+              "or pad_sequence) and vmap over the padded tensor, masking or selecting each "
+              "sample's last valid step.");
+}
+
+std::tuple<Tensor, Tensor, Tensor> packed_lstm(const Tensor&, const Tensor&, TensorList,
+                                               TensorList, bool, int64_t, double, bool, bool) {
+  packed_under_vmap("lstm");
+}
+
+template <RnnMode mode>
+std::tuple<Tensor, Tensor> packed_rnn(const Tensor&, const Tensor&, const Tensor&, TensorList,
+                                      bool, int64_t, double, bool, bool) {
+  packed_under_vmap(mode == RnnMode::Gru ? "gru" : "rnn");
+}
+
+}  // namespace
+
+void add_recurrent_routes(RouteLibraries& libs) {
+  libs.front_mode.impl("lstm.input", TORCH_FN(routed_lstm));
+  libs.front_mode.impl("gru.input", TORCH_FN(routed_rnn<RnnMode::Gru>));
+  libs.front_mode.impl("rnn_tanh.input", TORCH_FN(routed_rnn<RnnMode::RnnTanh>));
+  libs.front_mode.impl("rnn_relu.input", TORCH_FN(routed_rnn<RnnMode::RnnRelu>));
+  libs.front_mode.impl("lstm_cell", TORCH_FN(routed_lstm_cell));
+  libs.front_mode.impl("gru_cell", TORCH_FN(routed_cell<RnnMode::Gru>));
+  libs.front_mode.impl("rnn_tanh_cell", TORCH_FN(routed_cell<RnnMode::RnnTanh>));
+  libs.front_mode.impl("rnn_relu_cell", TORCH_FN(routed_cell<RnnMode::RnnRelu>));
+  libs.batched.impl("mkldnn_rnn_layer", TORCH_FN(mkldnn_rnn_layer_batched));
+  libs.batched.impl("lstm.data", TORCH_FN(packed_lstm));
+  libs.batched.impl("gru.data", TORCH_FN(packed_rnn<RnnMode::Gru>));
+  libs.batched.impl("rnn_tanh.data", TORCH_FN(packed_rnn<RnnMode::RnnTanh>));
+  libs.batched.impl("rnn_relu.data", TORCH_FN(packed_rnn<RnnMode::RnnRelu>));
+}
+
+}  // namespace batchrules

@@ -1,0 +1,163 @@
+"""Modules, inputs and for-loop references for the recurrent-layer tests.
+
+The call under test runs inside ``routed()`` (routing on, functorch's per-example
+fallback off, so a missing rule fails instead of looping); every reference is a
+Python loop of stock eager calls, one example at a time, with routing off and no
+transform, in float64 unless a test says otherwise.
+"""
+import contextlib
+import copy
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, stack_module_state, vmap
+from torch.utils._pytree import tree_leaves, tree_map
+
+import batchrules
+from conftest import vmap_fallback_off  # noqa: F401 (re-exported for the recurrent tests)
+
+KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+B = 2  # vmap size (examples, or ensemble members)
+T, N, IN, HIDDEN, PROJ = 4, 2, 3, 4, 2  # sequence length, per-example batch, sizes
+
+
+@contextlib.contextmanager
+def routed() -> Iterator[None]:
+    """Routing on and the vmap fallback off, both restored afterwards."""
+    with vmap_fallback_off(), batchrules.enabled(True):
+        yield
+
+
+def make_rnn(kind: str, dtype: torch.dtype = torch.float64, **options: Any) -> nn.Module:
+    """nn.LSTM / nn.GRU / nn.RNN (tanh or relu) of input IN and hidden HIDDEN."""
+    if kind == "lstm":
+        module = nn.LSTM(IN, HIDDEN, **options)
+    elif kind == "gru":
+        module = nn.GRU(IN, HIDDEN, **options)
+    else:
+        module = nn.RNN(IN, HIDDEN, nonlinearity=kind.split("_")[1], **options)
+    return module.to(dtype)
+
+
+def make_cell(kind: str, dtype: torch.dtype = torch.float64, **options: Any) -> nn.Module:
+    """nn.LSTMCell / nn.GRUCell / nn.RNNCell (tanh or relu)."""
+    if kind == "lstm":
+        module = nn.LSTMCell(IN, HIDDEN, **options)
+    elif kind == "gru":
+        module = nn.GRUCell(IN, HIDDEN, **options)
+    else:
+        module = nn.RNNCell(IN, HIDDEN, nonlinearity=kind.split("_")[1], **options)
+    return module.to(dtype)
+
+
+def batched(shape: Sequence[int], bdim: Optional[int],
+            dtype: torch.dtype = torch.float64) -> Tensor:
+    """A random tensor of per-example ``shape`` with B examples along ``bdim`` (None: shared)."""
+    shape = list(shape)
+    if bdim is not None:
+        shape.insert(bdim, B)
+    return torch.randn(shape, dtype=dtype)
+
+
+def input_shape(module: nn.Module, per_example_batch: bool) -> List[int]:
+    """One example's input: [T, in] / [T, N, in] / [N, T, in]; a cell's [in] / [N, in]."""
+    if isinstance(module, nn.RNNCellBase):
+        return [N, IN] if per_example_batch else [IN]
+    if not per_example_batch:
+        return [T, IN]
+    return [N, T, IN] if module.batch_first else [T, N, IN]
+
+
+def hidden_shapes(module: nn.Module, per_example_batch: bool) -> List[List[int]]:
+    """One example's hidden state shapes: [h] or, for LSTMs, [h, c]."""
+    lead = [N] if per_example_batch else []
+    if isinstance(module, nn.RNNCellBase):
+        shapes = [lead + [module.hidden_size]]
+        return shapes * 2 if isinstance(module, nn.LSTMCell) else shapes
+    layers = [module.num_layers * (2 if module.bidirectional else 1)]
+    h_size = module.proj_size or module.hidden_size
+    shapes = [layers + lead + [h_size]]
+    if isinstance(module, nn.LSTM):
+        shapes.append(layers + lead + [module.hidden_size])
+    return shapes
+
+
+def make_hx(module: nn.Module, per_example_batch: bool, spec: str,
+            dtype: torch.dtype = torch.float64) -> Tuple[Any, Any]:
+    """(hx, its in_dims) for ``spec``: "none", "batched", "shared" or "mixed" (h
+    batched, c shared; for modules without c the same as "batched")."""
+    if spec == "none":
+        return None, None
+    shapes = hidden_shapes(module, per_example_batch)
+    dims = [None if spec == "shared" or (spec == "mixed" and k == 1) else 0
+            for k in range(len(shapes))]
+    tensors = [batched(s, d, dtype) for s, d in zip(shapes, dims)]
+    if len(tensors) == 2:
+        return tuple(tensors), tuple(dims)
+    return tensors[0], dims[0]
+
+
+def example_args(args: Sequence, in_dims: Sequence, i: int) -> List:
+    """Example ``i`` of vmap's arguments (in_dims as vmap takes them, prefixes included)."""
+    def select(dim: Optional[int], arg: Any) -> Any:
+        return arg if dim is None else tree_map(lambda t: t.select(dim, i), arg)
+
+    return tree_map(select, list(in_dims), list(args),
+                    is_leaf=lambda d: d is None or isinstance(d, int))
+
+
+def stack(outputs: List) -> Any:
+    """Per-example outputs (pytrees of tensors) stacked along a new dim 0."""
+    return tree_map(lambda *ts: torch.stack(ts), outputs[0], *outputs[1:])
+
+
+def loop(fn: Callable, args: Sequence, in_dims: Sequence, size: int = B) -> Any:
+    """``vmap(fn, in_dims)(*args)`` as a loop of stock eager calls, routing off."""
+    with batchrules.enabled(False):
+        return stack([fn(*example_args(args, in_dims, i)) for i in range(size)])
+
+
+def check_forward(module: nn.Module, x_dim: Optional[int], per_example_batch: bool,
+                  hx_spec: str, dtype: torch.dtype = torch.float64, **tol: Any) -> None:
+    """vmap(module) routed against the loop, over a random input batched along x_dim."""
+    x = batched(input_shape(module, per_example_batch), x_dim, dtype)
+    hx, hx_dims = make_hx(module, per_example_batch, hx_spec, dtype)
+    with routed():
+        got = vmap(call(module), in_dims=(x_dim, hx_dims))(x, hx)
+    assert_close(got, loop(call(module), (x, hx), (x_dim, hx_dims)), **tol)
+
+
+def call(module: nn.Module) -> Callable:
+    """module(x) or module(x, hx): the signature the tests vmap over."""
+    return lambda x, hx=None: module(x) if hx is None else module(x, hx)
+
+
+def ensemble(make: Callable[[], nn.Module]) -> Tuple[List[nn.Module], dict, dict, Callable]:
+    """B members, their stacked state and ``fn(params, buffers, x, hx=None)`` on a meta copy."""
+    members = [make() for _ in range(B)]
+    params, buffers = stack_module_state(members)
+    base = copy.deepcopy(members[0]).to("meta")
+
+    def fn(p, b, x, hx=None):
+        return functional_call(base, (p, b), (x,) if hx is None else (x, hx))
+
+    return members, params, buffers, fn
+
+
+def scalar(output: Any) -> Tensor:
+    """A nonlinear scalar of every output tensor (h_n, c_n included), for gradients."""
+    return sum(t.sin().sum() for t in tree_leaves(output))
+
+
+def leaves_like(tree: Any) -> Any:
+    """Fresh leaves requiring grad with ``tree``'s values."""
+    return tree_map(lambda t: t.detach().clone().requires_grad_(True), tree)
+
+
+def assert_close(actual: Any, expected: Any, msg: str = "", **tol: Any) -> None:
+    """Pytrees of tensors: same structure, shapes, dtypes and values."""
+    a_leaves, e_leaves = tree_leaves(actual), tree_leaves(expected)
+    assert len(a_leaves) == len(e_leaves), f"{len(a_leaves)} outputs, not {len(e_leaves)}: {msg}"
+    for k, (a, e) in enumerate(zip(a_leaves, e_leaves)):
+        torch.testing.assert_close(a, e, msg=lambda m: f"{msg} (output {k})\n{m}", **tol)

@@ -1,0 +1,112 @@
+"""clipped_grad on recurrent models (dp/layers/recurrent.py): LSTM, GRU, RNN
+layers and cells, exact against the per-sample loop in float64, with every
+weight clipped from its rows and gate gradients (kind "linear": no
+per-sample copy), and the cases that take the generic path or are refused."""
+from typing import Dict
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+import batchrules
+from dp_reference import assert_close_rel, loop_clipped_grad
+from test_dp_models import check_model, data, kinds, routing  # noqa: F401 (fixtures)
+
+
+class LastStep(nn.Module):
+    """A recurrent layer, then a linear head on the last step's output."""
+
+    def __init__(self, rnn: nn.Module) -> None:
+        super().__init__()
+        self.rnn = rnn
+        width = rnn.hidden_size * (2 if rnn.bidirectional else 1)
+        self.head = nn.Linear(getattr(rnn, "proj_size", 0) or width, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.rnn(x)[0]
+        return self.head(out[:, -1] if self.rnn.batch_first else out[-1])
+
+
+class Unrolled(nn.Module):
+    """A cell stepped over the sequence, then a linear head."""
+
+    def __init__(self, cell: nn.Module) -> None:
+        super().__init__()
+        self.cell = cell
+        self.head = nn.Linear(cell.hidden_size, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        state = None
+        for t in range(x.shape[1]):
+            state = self.cell(x[:, t], state)
+        return self.head(state[0] if isinstance(state, tuple) else state)
+
+
+class Transpose(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.transpose(0, 1)
+
+
+LAYERS = {
+    "lstm": lambda: nn.LSTM(3, 4, batch_first=True),
+    "gru": lambda: nn.GRU(3, 4, batch_first=True),
+    "rnn_tanh": lambda: nn.RNN(3, 4, batch_first=True),
+    "rnn_relu": lambda: nn.RNN(3, 4, batch_first=True, nonlinearity="relu"),
+    "lstm_2_layers_bidirectional": lambda: nn.LSTM(3, 4, num_layers=2, bidirectional=True,
+                                                   batch_first=True),
+    "gru_time_major_no_bias": lambda: nn.GRU(3, 4, num_layers=2, bias=False),
+}
+
+
+def only_rules(kinds: Dict[str, str]) -> None:
+    assert kinds and all(k in ("linear", "bias") for k in kinds.values()), kinds
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layers(routing, kinds, name: str) -> None:
+    rnn = LAYERS[name]()
+    model = LastStep(rnn) if rnn.batch_first else nn.Sequential(Transpose(), LastStep(rnn))
+    check_model(model, *data(5, 3))
+    only_rules(kinds)
+
+
+@pytest.mark.parametrize("cell", [nn.LSTMCell, nn.GRUCell, nn.RNNCell])
+def test_cells(routing, kinds, cell) -> None:
+    check_model(Unrolled(cell(3, 4)), *data(4, 3))
+    only_rules(kinds)
+
+
+def test_projection_takes_the_generic_path(kinds) -> None:
+    # proj_size: W_hr's gradient needs the projected states' gradients, which the
+    # recurrence does not expose; every weight of the layer is then a per-sample copy.
+    check_model(LastStep(nn.LSTM(3, 4, proj_size=2, batch_first=True)), *data(5, 3))
+    assert kinds["rnn.weight_hr_l0"] == "materialized"
+    assert kinds["head.weight"] == "linear"
+
+
+def test_frozen_input_weights(kinds) -> None:
+    model = LastStep(nn.GRU(3, 4, batch_first=True)).double()
+    params = {k: v.detach() for k, v in model.named_parameters() if k != "rnn.weight_ih_l0"}
+    x, y = data(5, 3)
+
+    def loss(p, xi, yi):
+        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],), strict=False),
+                                           yi[None])
+
+    assert_close_rel(batchrules.clipped_grad(loss, 0.5)(params, x, y),
+                     loop_clipped_grad(loss, 0.5, (params, x, y)))
+
+
+def test_packed_sequences_are_refused() -> None:
+    model = nn.LSTM(3, 4).double()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, xi):
+        # One sequence of T steps, packed as nn.utils.rnn would (pack_padded_sequence
+        # itself calls .item(), which no vmap can run).
+        packed = nn.utils.rnn.PackedSequence(xi, torch.ones(xi.shape[0], dtype=torch.int64))
+        return functional_call(model, p, (packed,))[0].data.sum()
+
+    with pytest.raises(RuntimeError, match=r"clipped_grad: torch.lstm on a PackedSequence"):
+        batchrules.clipped_grad(loss, 1.0)(params, torch.randn(5, 6, 3, dtype=torch.float64))
