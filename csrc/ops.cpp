@@ -36,6 +36,16 @@ const c10::TypedOperatorHandle<RnnRecurrenceBackwardSig>& rnn_recurrence_backwar
   return op;
 }
 
+const c10::TypedOperatorHandle<FusedLstmSig>& fused_lstm_layer_op() {
+  static const auto op = find_op<FusedLstmSig>("batchrules::fused_lstm_layer");
+  return op;
+}
+
+const c10::TypedOperatorHandle<FusedLstmBackwardSig>& fused_lstm_layer_backward_op() {
+  static const auto op = find_op<FusedLstmBackwardSig>("batchrules::fused_lstm_layer_backward");
+  return op;
+}
+
 #define BATCHRULES_DEFINE_ACTIVATION_OPS(name, ...)                                       \
   const c10::TypedOperatorHandle<ActivationSig>& name##_op() {                            \
     static const auto op = find_op<ActivationSig>("batchrules::" #name);                  \
@@ -67,6 +77,19 @@ TORCH_LIBRARY(batchrules, m) {
       "Tensor h0, Tensor? c0, Tensor w_hh, Tensor? w_hr, Tensor output, Tensor workspace, "
       "int mode, bool reverse) -> (Tensor grad_input_gates, Tensor grad_hidden_gates, "
       "Tensor grad_h0, Tensor grad_c0, Tensor grad_projected)");
+  // One LSTM layer and direction as oneDNN's fused CPU layer, time-major
+  // input [T, N, I], float32; workspace is oneDNN's (bytes). Its backward
+  // is oneDNN's fused one (weight gradients summed over the rows).
+  m.def(
+      "fused_lstm_layer(Tensor input, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, "
+      "Tensor h0, Tensor c0, bool reverse) -> (Tensor output, Tensor h_n, Tensor c_n, "
+      "Tensor workspace)");
+  m.def(
+      "fused_lstm_layer_backward(Tensor input, Tensor w_ih, Tensor w_hh, Tensor? b_ih, "
+      "Tensor? b_hh, Tensor h0, Tensor c0, Tensor output, Tensor h_n, Tensor c_n, "
+      "Tensor? grad_output, Tensor? grad_h_n, Tensor? grad_c_n, Tensor workspace, bool reverse) "
+      "-> (Tensor grad_input, Tensor grad_w_ih, Tensor grad_w_hh, Tensor grad_b_ih, "
+      "Tensor grad_b_hh, Tensor grad_h0, Tensor grad_c0)");
   // Each activation: <name>(self) and <name>_backward(grad_output, self),
   // whose operands broadcast against each other as in aten::silu_backward.
 #define BATCHRULES_DEFINE_ACTIVATION_SCHEMAS(name, ...) \

@@ -41,6 +41,19 @@ using RnnRecurrenceBackwardSig = RecurrenceGradsResult(
 const c10::TypedOperatorHandle<RnnRecurrenceSig>& rnn_recurrence_op();
 const c10::TypedOperatorHandle<RnnRecurrenceBackwardSig>& rnn_recurrence_backward_op();
 
+// oneDNN's LSTM layer with its own fused backward (recurrent/fused_lstm_kernel.cpp).
+using FusedLstmSig = RecurrenceResult(const Tensor&, const Tensor&, const Tensor&,
+                                      const OptTensor&, const OptTensor&, const Tensor&,
+                                      const Tensor&, bool);
+using FusedLstmGradsResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+using FusedLstmBackwardSig = FusedLstmGradsResult(
+    const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&, const Tensor&,
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
+    const OptTensor&, const Tensor&, bool);
+
+const c10::TypedOperatorHandle<FusedLstmSig>& fused_lstm_layer_op();
+const c10::TypedOperatorHandle<FusedLstmBackwardSig>& fused_lstm_layer_backward_op();
+
 // Pointwise activations f(self) and their backward grad_output * f'(self):
 // <name>_op() and <name>_backward_op() for each entry of
 // activations/activation_list.h.

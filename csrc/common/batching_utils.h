@@ -145,4 +145,25 @@ inline bool batched_at_outer_level(const Tensor& t) {
   return false;
 }
 
+// Whether `t` is batched at vmap level `level`, looking through grad wrappers
+// and the BatchedTensors of other levels.
+inline bool batched_at_level_through_wrappers(const Tensor& t, int64_t level) {
+  Tensor cur = t;
+  while (cur.defined()) {
+    if (const auto* batched = at::functorch::maybeGetBatchedImpl(cur)) {
+      if (batched->level() == level) {
+        return true;
+      }
+      cur = batched->value();
+      continue;
+    }
+    const auto* wrapper = at::functorch::maybeGetTensorWrapper(cur);
+    if (wrapper == nullptr) {
+      return false;
+    }
+    cur = wrapper->value();
+  }
+  return false;
+}
+
 }  // namespace batchrules

@@ -8,6 +8,7 @@
 
 #include <memory>
 #include <type_traits>
+#include <utility>
 
 namespace batchrules {
 
@@ -19,13 +20,18 @@ constexpr bool kIntrusiveNodes =
 template <class T>
 using NodePtr = std::conditional_t<kIntrusiveNodes, c10::intrusive_ptr<T>, std::shared_ptr<T>>;
 
+template <class T, class... Args>
+NodePtr<T> make_node_with(Args&&... args) {
+  if constexpr (kIntrusiveNodes) {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  } else {
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  }
+}
+
 template <class T>
 NodePtr<T> make_node() {
-  if constexpr (kIntrusiveNodes) {
-    return c10::make_intrusive<T>();
-  } else {
-    return std::make_shared<T>();
-  }
+  return make_node_with<T>();
 }
 
 // The owning pointer to `node` that SavedVariable::unpack takes for a tensor

@@ -3,6 +3,8 @@
 
 #include <ATen/functorch/DynamicLayer.h>
 
+#include <algorithm>
+
 namespace batchrules {
 
 // Whether the transform stack holds a jvp level or two grad levels: an op's
@@ -21,15 +23,12 @@ inline bool higher_order_transforms() {
   return false;
 }
 
-// Whether a grad or jvp level is active.
-inline bool inside_reverse_or_forward_ad() {
-  for (const auto& layer : at::functorch::getDynamicLayerStack()) {
-    const auto type = layer.key();
-    if (type == at::functorch::TransformType::Grad || type == at::functorch::TransformType::Jvp) {
-      return true;
-    }
-  }
-  return false;
+// Whether a grad level is active.
+inline bool inside_grad_transform() {
+  const auto& stack = at::functorch::getDynamicLayerStack();
+  return std::any_of(stack.begin(), stack.end(), [](const auto& layer) {
+    return layer.key() == at::functorch::TransformType::Grad;
+  });
 }
 
 inline bool inside_transforms() {

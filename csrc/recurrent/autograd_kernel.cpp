@@ -99,11 +99,75 @@ RecurrenceGradsResult rnn_recurrence_backward_autograd(
                                                      output, workspace, mode, reverse);
   }
   if (differentiable) {
-    auto grad_fn = make_node<RnnRecurrenceBackwardNotTwice>();
+    auto grad_fn = make_node_with<NotDifferentiableTwice>("batchrules.rnn_recurrence");
     grad_fn->set_next_edges(
         torch::autograd::collect_next_edges(go, ghn, gcn, h0, c0_t, w_hh, w_hr_t, output));
     auto& [a, b, c, d, e] = result;
     torch::autograd::set_history({a, b, c, d, e}, grad_fn);
+  }
+  return result;
+}
+
+RecurrenceResult fused_lstm_layer_autograd(c10::DispatchKeySet ks, const Tensor& input,
+                                           const Tensor& w_ih, const Tensor& w_hh,
+                                           const OptTensor& b_ih, const OptTensor& b_hh,
+                                           const Tensor& h0, const Tensor& c0, bool reverse) {
+  const Tensor bi = value(b_ih), bh = value(b_hh);
+  TORCH_CHECK(!any_tangent(input, w_ih, w_hh, bi, bh, h0, c0),
+              "batchrules.fused_lstm_layer: oneDNN's LSTM layer has no forward-mode derivative");
+  NodePtr<FusedLstmLayerBackward0> grad_fn;
+  if (torch::autograd::compute_requires_grad(input, w_ih, w_hh, bi, bh, h0, c0)) {
+    grad_fn = make_node<FusedLstmLayerBackward0>();
+    grad_fn->set_next_edges(
+        torch::autograd::collect_next_edges(input, w_ih, w_hh, bi, bh, h0, c0));
+    grad_fn->input_ = SavedVariable(input, false);
+    grad_fn->w_ih_ = SavedVariable(w_ih, false);
+    grad_fn->w_hh_ = SavedVariable(w_hh, false);
+    grad_fn->b_ih_ = SavedVariable(bi, false);
+    grad_fn->b_hh_ = SavedVariable(bh, false);
+    grad_fn->h0_ = SavedVariable(h0, false);
+    grad_fn->c0_ = SavedVariable(c0, false);
+    grad_fn->reverse_ = reverse;
+  }
+  RecurrenceResult result;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    result = fused_lstm_layer_op().redispatch(ks & c10::after_autograd_keyset, input, w_ih, w_hh,
+                                              b_ih, b_hh, h0, c0, reverse);
+  }
+  if (grad_fn) {
+    auto& [output, h_n, c_n, workspace] = result;
+    torch::autograd::set_history({output, h_n, c_n}, grad_fn);
+    grad_fn->output_ = SavedVariable(output, true);
+    grad_fn->h_n_ = SavedVariable(h_n, true);
+    grad_fn->c_n_ = SavedVariable(c_n, true);
+    grad_fn->workspace_ = SavedVariable(workspace, false);
+  }
+  return result;
+}
+
+// oneDNN's backward has no derivative of its own (Note [Recurrent layers under
+// higher-order transforms]: routing uses this op under one grad level only).
+FusedLstmGradsResult fused_lstm_layer_backward_autograd(
+    c10::DispatchKeySet ks, const Tensor& input, const Tensor& w_ih, const Tensor& w_hh,
+    const OptTensor& b_ih, const OptTensor& b_hh, const Tensor& h0, const Tensor& c0,
+    const Tensor& output, const Tensor& h_n, const Tensor& c_n, const OptTensor& grad_output,
+    const OptTensor& grad_h_n, const OptTensor& grad_c_n, const Tensor& workspace, bool reverse) {
+  const Tensor bi = value(b_ih), bh = value(b_hh), go = value(grad_output);
+  const Tensor ghn = value(grad_h_n), gcn = value(grad_c_n);
+  FusedLstmGradsResult result;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    result = fused_lstm_layer_backward_op().redispatch(
+        ks & c10::after_autograd_keyset, input, w_ih, w_hh, b_ih, b_hh, h0, c0, output, h_n, c_n,
+        grad_output, grad_h_n, grad_c_n, workspace, reverse);
+  }
+  if (torch::autograd::compute_requires_grad(input, w_ih, w_hh, bi, bh, h0, c0, go, ghn, gcn)) {
+    auto grad_fn = make_node_with<NotDifferentiableTwice>("batchrules.fused_lstm_layer");
+    grad_fn->set_next_edges(
+        torch::autograd::collect_next_edges(input, w_ih, w_hh, bi, bh, h0, c0, go, ghn, gcn));
+    auto& [a, b, c, d, e, f, g] = result;
+    torch::autograd::set_history({a, b, c, d, e, f, g}, grad_fn);
   }
   return result;
 }
@@ -113,6 +177,8 @@ RecurrenceGradsResult rnn_recurrence_backward_autograd(
 TORCH_LIBRARY_IMPL(batchrules, Autograd, m) {
   m.impl("rnn_recurrence", TORCH_FN(rnn_recurrence_autograd));
   m.impl("rnn_recurrence_backward", TORCH_FN(rnn_recurrence_backward_autograd));
+  m.impl("fused_lstm_layer", TORCH_FN(fused_lstm_layer_autograd));
+  m.impl("fused_lstm_layer_backward", TORCH_FN(fused_lstm_layer_backward_autograd));
 }
 
 }  // namespace batchrules

@@ -115,12 +115,40 @@ variable_list RnnRecurrenceBackward0::differentiate_decomposition(const variable
   return result;
 }
 
-variable_list RnnRecurrenceBackwardNotTwice::apply(variable_list&&) {
-  TORCH_CHECK(false,
-              "batchrules: a second derivative through batchrules.rnn_recurrence was asked for "
-              "inside a torch.func transform stack with a single grad level. Recurrent layers "
-              "support higher orders through nested transforms (grad(grad(f)), jacfwd, hessian), "
-              "or call batchrules.disable()");
+void FusedLstmLayerBackward0::release_variables() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto* v : {&input_, &w_ih_, &w_hh_, &b_ih_, &b_hh_, &h0_, &c0_, &output_, &h_n_, &c_n_,
+                  &workspace_}) {
+    v->reset_data();
+  }
+}
+
+variable_list FusedLstmLayerBackward0::apply(variable_list&& grads) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  variable_list result(num_outputs());
+  if (!grads[0].defined() && !grads[1].defined() && !grads[2].defined()) {
+    return result;
+  }
+  const auto self = owning_ptr<torch::autograd::Node>(this);
+  auto [dx, dw_ih, dw_hh, db_ih, db_hh, dh0, dc0] = fused_lstm_layer_backward_op().call(
+      input_.unpack(), w_ih_.unpack(), w_hh_.unpack(), maybe(b_ih_.unpack()),
+      maybe(b_hh_.unpack()), h0_.unpack(), c0_.unpack(), output_.unpack(self),
+      h_n_.unpack(self), c_n_.unpack(self), maybe(grads[0]), maybe(grads[1]), maybe(grads[2]),
+      workspace_.unpack(), reverse_);
+  const std::array<Tensor, 7> all = {dx, dw_ih, dw_hh, db_ih, db_hh, dh0, dc0};
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (task_should_compute_output(i)) {
+      result[i] = all[i];
+    }
+  }
+  return result;
+}
+
+variable_list NotDifferentiableTwice::apply(variable_list&&) {
+  TORCH_CHECK(false, "batchrules: a second derivative through ", op_,
+              " was asked for inside a torch.func transform stack with a single grad level. "
+              "Recurrent layers support higher orders through nested transforms (grad(grad(f)), "
+              "jacfwd, hessian), or call batchrules.disable()");
 }
 
 }  // namespace batchrules

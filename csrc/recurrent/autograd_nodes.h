@@ -31,13 +31,27 @@ struct RnnRecurrenceBackward0 : public torch::autograd::Node {
       const torch::autograd::variable_list& grads);
 };
 
-// Stands for rnn_recurrence_backward's own derivative where a transform stack
-// with one reverse level only builds the graph and never runs it (functorch's
-// grad backpropagates with create_graph=True). See Note [Recurrent layers
-// under higher-order transforms].
-struct RnnRecurrenceBackwardNotTwice : public torch::autograd::Node {
+// Backward of fused_lstm_layer: oneDNN's fused backward, one call.
+struct FusedLstmLayerBackward0 : public torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
-  std::string name() const override { return "BatchrulesRnnRecurrenceBackwardNotTwice"; }
+  std::string name() const override { return "BatchrulesFusedLstmLayerBackward0"; }
+  void release_variables() override;
+
+  torch::autograd::SavedVariable input_, w_ih_, w_hh_, b_ih_, b_hh_, h0_, c0_;
+  torch::autograd::SavedVariable output_, h_n_, c_n_, workspace_;
+  bool reverse_ = false;
+};
+
+// Stands for a backward op's own derivative where a transform stack with one
+// reverse level only builds the graph and never runs it (functorch's grad
+// backpropagates with create_graph=True). See Note [Recurrent layers under
+// higher-order transforms].
+struct NotDifferentiableTwice : public torch::autograd::Node {
+  explicit NotDifferentiableTwice(const char* op) : op_(op) {}
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
+  std::string name() const override { return "BatchrulesNotDifferentiableTwice"; }
+
+  const char* op_;
 };
 
 }  // namespace batchrules

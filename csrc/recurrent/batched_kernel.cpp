@@ -5,6 +5,7 @@
 #include "common/vmap_plumbing.h"
 #include "ops.h"
 #include "recurrent/batch_rules.h"
+#include "recurrent/fused_batching.h"
 #include "recurrent/shape_checks.h"
 
 #include <torch/library.h>
@@ -15,6 +16,16 @@ namespace {
 
 Tensor physical(const OptionalBatched& t) {
   return std::get<0>(t).value_or(Tensor());
+}
+
+OptTensor maybe(const Tensor& t) {
+  return t.defined() ? OptTensor(t) : std::nullopt;
+}
+
+// An optional operand as (physical or undefined, bdim).
+BatchedResult optional_at(const OptTensor& t, int64_t level) {
+  auto [value, bdim] = unwrap_at(t, level);
+  return {physical({value, bdim}), bdim};
 }
 
 RecurrenceResult rnn_recurrence_batched(const Tensor& input_gates, const Tensor& h0,
@@ -71,11 +82,87 @@ RecurrenceGradsResult rnn_recurrence_backward_batched(
   return {wrap(grads[0]), wrap(grads[1]), wrap(grads[2]), wrap(grads[3]), wrap(grads[4])};
 }
 
+// Note [oneDNN's LSTM layer under transforms] (layers.cpp): routing calls it
+// where weights are shared only when no grad level needs per-example weight
+// gradients, so the forward folds the rows; its backward is exact only per
+// example (or per member).
+RecurrenceResult fused_lstm_layer_batched(const Tensor& input, const Tensor& w_ih,
+                                          const Tensor& w_hh, const OptTensor& b_ih,
+                                          const OptTensor& b_hh, const Tensor& h0,
+                                          const Tensor& c0, bool reverse) {
+  const BatchedKernelScope scope("batchrules.fused_lstm_layer");
+  const int64_t level = scope.level();
+  if (!any_batched_at(level, input, w_ih, w_hh, b_ih, b_hh, h0, c0)) {
+    return fused_lstm_layer_op().call(input, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse);
+  }
+  const std::vector<BatchedResult> ops = {
+      unwrap_at(input, level), unwrap_at(w_ih, level), unwrap_at(w_hh, level),
+      optional_at(b_ih, level), optional_at(b_hh, level), unwrap_at(h0, level),
+      unwrap_at(c0, level)};
+  const int64_t batch = vmap_size_of(ops);
+  const auto wrap = [level](const Tensor& t, int64_t bdim) { return wrap_at(t, bdim, level); };
+  if (!std::get<1>(ops[1]) && !std::get<1>(ops[2]) && !std::get<1>(ops[3]) &&
+      !std::get<1>(ops[4])) {
+    const auto fold = [&](size_t i, int64_t pos) {
+      return fold_rows(std::get<0>(ops[i]), std::get<1>(ops[i]), pos, batch);
+    };
+    // T,B*N,I x 4H,I -> T,B*N,H
+    auto [out, hy, cy, ws] = fused_lstm_layer_op().call(
+        fold(0, 1), std::get<0>(ops[1]), std::get<0>(ops[2]), maybe(std::get<0>(ops[3])),
+        maybe(std::get<0>(ops[4])), fold(5, 0), fold(6, 0), reverse);
+    return {wrap(unfold_rows(out, 1, batch), 1), wrap(unfold_rows(hy, 0, batch), 0),
+            wrap(unfold_rows(cy, 0, batch), 0), ws};
+  }
+  const auto outs = per_example(ops, batch, [&](const std::vector<Tensor>& a) {
+    auto [out, hy, cy, ws] =
+        fused_lstm_layer_op().call(a[0], a[1], a[2], maybe(a[3]), maybe(a[4]), a[5], a[6], reverse);
+    return std::vector<Tensor>{out, hy, cy, ws};
+  });
+  return {wrap(outs[0], 0), wrap(outs[1], 0), wrap(outs[2], 0), wrap(outs[3], 0)};
+}
+
+FusedLstmGradsResult fused_lstm_layer_backward_batched(
+    const Tensor& input, const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
+    const OptTensor& b_hh, const Tensor& h0, const Tensor& c0, const Tensor& output,
+    const Tensor& h_n, const Tensor& c_n, const OptTensor& grad_output, const OptTensor& grad_h_n,
+    const OptTensor& grad_c_n, const Tensor& workspace, bool reverse) {
+  const BatchedKernelScope scope("batchrules.fused_lstm_layer_backward");
+  const int64_t level = scope.level();
+  if (!any_batched_at(level, input, w_ih, w_hh, b_ih, b_hh, h0, c0, output, h_n, c_n, grad_output,
+                      grad_h_n, grad_c_n, workspace)) {
+    return fused_lstm_layer_backward_op().call(input, w_ih, w_hh, b_ih, b_hh, h0, c0, output, h_n,
+                                               c_n, grad_output, grad_h_n, grad_c_n, workspace,
+                                               reverse);
+  }
+  TORCH_CHECK(batched_at(workspace, level) || !batched_at(input, level),
+              "batchrules.fused_lstm_layer_backward: a forward over folded rows cannot be "
+              "differentiated per example (a routing invariant; please report)");
+  const std::vector<BatchedResult> ops = {
+      unwrap_at(input, level),       unwrap_at(w_ih, level),        unwrap_at(w_hh, level),
+      optional_at(b_ih, level),      optional_at(b_hh, level),      unwrap_at(h0, level),
+      unwrap_at(c0, level),          unwrap_at(output, level),      unwrap_at(h_n, level),
+      unwrap_at(c_n, level),         optional_at(grad_output, level), optional_at(grad_h_n, level),
+      optional_at(grad_c_n, level),  unwrap_at(workspace, level)};
+  const auto outs = per_example(ops, vmap_size_of(ops), [&](const std::vector<Tensor>& a) {
+    auto [dx, dwi, dwh, dbi, dbh, dh, dc] = fused_lstm_layer_backward_op().call(
+        a[0], a[1], a[2], maybe(a[3]), maybe(a[4]), a[5], a[6], a[7], a[8], a[9], maybe(a[10]),
+        maybe(a[11]), maybe(a[12]), a[13], reverse);
+    return std::vector<Tensor>{dx, dwi, dwh, dbi, dbh, dh, dc};
+  });
+  const auto wrap = [level](const Tensor& t) {
+    return wrap_at(t, t.defined() ? std::optional<int64_t>(0) : std::nullopt, level);
+  };
+  return {wrap(outs[0]), wrap(outs[1]), wrap(outs[2]), wrap(outs[3]),
+          wrap(outs[4]), wrap(outs[5]), wrap(outs[6])};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(batchrules, FuncTorchBatched, m) {
   m.impl("rnn_recurrence", TORCH_FN(rnn_recurrence_batched));
   m.impl("rnn_recurrence_backward", TORCH_FN(rnn_recurrence_backward_batched));
+  m.impl("fused_lstm_layer", TORCH_FN(fused_lstm_layer_batched));
+  m.impl("fused_lstm_layer_backward", TORCH_FN(fused_lstm_layer_backward_batched));
 }
 
 }  // namespace batchrules

@@ -5,6 +5,7 @@
 #include "common/autocast.h"
 #include "common/transform_stack.h"
 #include "recurrent/decomposition.h"
+#include "recurrent/fused_lstm.h"
 
 #include <ATen/ATen.h>
 
@@ -53,14 +54,14 @@ RecurrenceResult layer_direction(const Tensor& x, const Tensor& h0, const Tensor
   return recurrence(gates, h0, c0, w_hh, b_hh, w_hr, mode, reverse);
 }
 
-// oneDNN's LSTM kind (ideep::rnn_kind::LSTM) in aten::mkldnn_rnn_layer.
-constexpr int64_t kOneDnnLstm = 2;
-
 // T,N,I -> T,N,H through oneDNN's fused layer, which reads dense time-major
 // operands and takes zeros for absent biases.
-RecurrenceResult fused_lstm_layer(const Tensor& x, const Tensor& h0, const Tensor& c0,
-                                  const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
-                                  const OptTensor& b_hh, bool reverse, const RnnOptions& o) {
+RecurrenceResult onednn_lstm_layer(const Tensor& x, const Tensor& h0, const Tensor& c0,
+                                   const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
+                                   const OptTensor& b_hh, bool reverse, const RnnOptions& o) {
+  if (o.lstm_kernel == LstmKernel::OneDnnTraining) {
+    return fused_lstm_layer_op().call(x, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse);
+  }
   const int64_t gh = w_hh.size(0);
   const auto bias = [&](const OptTensor& b) {
     return b.has_value() ? *b : at::zeros({gh}, w_hh.options());
@@ -105,8 +106,9 @@ std::tuple<Tensor, Tensor, Tensor> run_rnn(const Tensor& input, const Tensor& hx
       const OptTensor w_hr = projected ? maybe(p[per_layer - 1]) : std::nullopt;
       const Tensor h0 = hx.select(0, index), c0 = lstm ? cx.select(0, index) : Tensor();
       auto [out, hn, cn, ws] =
-          o.fused_cpu ? fused_lstm_layer(x, h0, c0, p[0], p[1], b_ih, b_hh, d == 1, o)
-                      : layer_direction(x, h0, c0, p[0], p[1], b_ih, b_hh, w_hr, o.mode, d == 1);
+          o.lstm_kernel != LstmKernel::Recurrence
+              ? onednn_lstm_layer(x, h0, c0, p[0], p[1], b_ih, b_hh, d == 1, o)
+              : layer_direction(x, h0, c0, p[0], p[1], b_ih, b_hh, w_hr, o.mode, d == 1);
       outputs.push_back(out);
       h_n.push_back(hn);
       c_n.push_back(cn);

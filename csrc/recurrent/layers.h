@@ -9,6 +9,17 @@
 
 namespace batchrules {
 
+// How an LSTM layer runs: Note [oneDNN's LSTM layer under transforms].
+enum class LstmKernel {
+  Recurrence,       // linear + batchrules::rnn_recurrence
+  OneDnnInference,  // aten::mkldnn_rnn_layer, nothing differentiated
+  OneDnnTraining,   // batchrules::fused_lstm_layer, oneDNN's backward
+};
+
+// Which LSTM kernel the active transforms and the operands allow.
+LstmKernel lstm_kernel(const Tensor& input, at::TensorList hx, at::TensorList params,
+                       bool batch_first);
+
 struct RnnOptions {
   RnnMode mode;
   bool has_biases;
@@ -17,9 +28,7 @@ struct RnnOptions {
   bool train;
   bool bidirectional;
   bool batch_first;
-  // LSTM layers as aten::mkldnn_rnn_layer (Note [Fused LSTM layers where
-  // nothing is differentiated], routes.cpp).
-  bool fused_cpu = false;
+  LstmKernel lstm_kernel = LstmKernel::Recurrence;
 };
 
 // aten::lstm/gru/rnn_*.input: input [T, N, I] ([N, T, I] batch_first), hx

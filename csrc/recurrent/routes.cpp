@@ -3,17 +3,15 @@
 //  - FuncTorchDynamicLayerFrontMode: aten's LSTM/GRU/RNN ops and cells, run
 //    as layers.cpp composes them, so that each layer and direction is a linear
 //    call and one batchrules::rnn_recurrence with its own rules and autograd;
-//  - FuncTorchBatched: aten's fused CPU LSTM layer (Note [Fused LSTM layers
-//    where nothing is differentiated]), and the packed-sequence overloads, which vmap cannot
+//  - FuncTorchBatched: aten's fused CPU LSTM layer (Note [oneDNN's LSTM layer
+//    under transforms], lstm_kernel.cpp), and the packed-sequence overloads, which vmap cannot
 //    express (a PackedSequence's batch_sizes are data, not a dim), with an
 //    error that says what to do instead.
 #include "common/autocast.h"
-#include "common/transform_stack.h"
 #include "recurrent/batch_rules.h"
 #include "recurrent/layers.h"
 #include "routing.h"
 
-#include <ATen/Context.h>
 
 namespace batchrules {
 
@@ -34,44 +32,19 @@ std::vector<Tensor> cast_all(const LowerPrecisionCast& cast, TensorList ts) {
   return out;
 }
 
-// Note [Fused LSTM layers where nothing is differentiated]
-// On the CPU aten runs an LSTM as oneDNN's fused layer, whose per-step GEMMs
-// are faster than the MKL calls rnn_recurrence makes; but its backward sums
-// weight gradients over the batch (no per-sample gradients) and, under the
-// create_graph=True of functorch's grad, is a composite of per-step ops. So
-// where no grad or jvp level is active (vmap alone: inference, or the plain
-// autograd of a loss outside the transforms), each layer and direction is
-// aten's fused layer, as aten's LSTM runs it, and gets mkldnn_rnn_layer_batched:
-// one call over the folded rows, or one per ensemble member. Only where
-// oneDNN would run it eagerly: float32 CPU tensors, no projection, oneDNN
-// enabled, no autocast (which would make the operands bfloat16).
-bool fused_cpu_lstm_applies(const Tensor& input, TensorList hx, TensorList params) {
-  if (!at::globalContext().userEnabledMkldnn() || inside_reverse_or_forward_ad() ||
-      autocast_enabled_for(input) ||
-      input.numel() == 0 || hx[0].size(-1) != hx[1].size(-1)) {
-    return false;
-  }
-  const auto cpu_float = [](const Tensor& t) {
-    return t.device().is_cpu() && t.scalar_type() == at::kFloat;
-  };
-  return cpu_float(input) && std::all_of(hx.begin(), hx.end(), cpu_float) &&
-         std::all_of(params.begin(), params.end(), cpu_float);
-}
-
 std::tuple<Tensor, Tensor, Tensor> routed_lstm(const Tensor& input, TensorList hx,
                                                TensorList params, bool has_biases,
                                                int64_t num_layers, double dropout, bool train,
                                                bool bidirectional, bool batch_first) {
   TORCH_CHECK(hx.size() == 2, "lstm: expected two hidden states (h0, c0), but got ", hx.size());
-  const bool fused = fused_cpu_lstm_applies(input, hx, params);
-  if (!fused && autocast_enabled_for(input)) {
+  if (autocast_enabled_for(input)) {
     const LowerPrecisionCast cast(input.device().type());
     return routed_lstm(cast(input), cast_all(cast, hx), cast_all(cast, params), has_biases,
                        num_layers, dropout, train, bidirectional, batch_first);
   }
   return run_rnn(input, hx[0], hx[1], params,
                  {RnnMode::Lstm, has_biases, num_layers, dropout, train, bidirectional,
-                  batch_first, fused});
+                  batch_first, lstm_kernel(input, hx, params, batch_first)});
 }
 
 template <RnnMode mode>

@@ -1,0 +1,33 @@
+// Batching oneDNN's fused LSTM layer (aten::mkldnn_rnn_layer and
+// batchrules::fused_lstm_layer): its kernel reads dense time-major operands,
+// has no group dim, and sums weight gradients over its rows. So a rule either
+// folds the vmap dim into the rows (forward with shared weights) or calls the
+// kernel once per example or member, the loop of fused calls a user would
+// write. See Note [oneDNN's LSTM layer under transforms] (layers.cpp).
+#pragma once
+
+#include "common/batching_utils.h"
+
+#include <functional>
+#include <vector>
+
+namespace batchrules {
+
+// The vmap size: the batch dim's size of the first batched operand.
+int64_t vmap_size_of(const std::vector<BatchedResult>& operands);
+
+// [.., B at bdim, ..] -> dims pos, pos+1 = B, rows folded into one, contiguous
+// (an unbatched operand is expanded to B first).
+Tensor fold_rows(const Tensor& t, std::optional<int64_t> bdim, int64_t pos, int64_t batch);
+
+// The inverse for a result: dim pos B*rows -> B, rows (its bdim is pos).
+Tensor unfold_rows(const Tensor& t, int64_t pos, int64_t batch);
+
+// Calls `call` once per b in [0, batch) with each batched operand's slice b
+// (unbatched ones as they are), all contiguous; returns each output's slices
+// stacked along a new dim 0 (an undefined output stays undefined).
+std::vector<Tensor> per_example(
+    const std::vector<BatchedResult>& operands, int64_t batch,
+    const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& call);
+
+}  // namespace batchrules
