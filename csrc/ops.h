@@ -23,6 +23,11 @@ using RecurrenceResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 using RecurrenceGradsResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 using OptTensor = std::optional<Tensor>;
 
+// An undefined tensor (an output not computed, an absent operand) as None.
+inline OptTensor maybe_defined(const Tensor& t) {
+  return t.defined() ? OptTensor(t) : std::nullopt;
+}
+
 using LinearSig = Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&);
 using LinearBackwardSig =
     TensorTriple(const Tensor&, const Tensor&, const Tensor&, std::array<bool, 3>);

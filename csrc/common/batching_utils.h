@@ -11,6 +11,7 @@
 #include <initializer_list>
 #include <optional>
 #include <utility>
+#include <vector>
 
 namespace batchrules {
 
@@ -36,6 +37,18 @@ inline c10::SymDimVector logical_sizes(const Tensor& t, std::optional<int64_t> b
     sizes.erase(sizes.begin() + *bdim);
   }
   return sizes;
+}
+
+// `t` with its batch dim at `pos`: moved there, or, for an operand with none,
+// inserted there and expanded to `batch` (a view: nothing is copied).
+inline Tensor batch_dim_at(const Tensor& t, std::optional<int64_t> bdim, int64_t pos,
+                           int64_t batch) {
+  if (bdim.has_value()) {
+    return t.movedim(*bdim, pos);
+  }
+  std::vector<int64_t> sizes = t.sizes().vec();
+  sizes.insert(sizes.begin() + pos, batch);
+  return t.unsqueeze(pos).expand(sizes);
 }
 
 // Removes logical dim `dim` (which must have size 1); the result has its

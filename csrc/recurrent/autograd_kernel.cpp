@@ -3,7 +3,7 @@
 #include "common/transform_stack.h"
 #include "ops.h"
 #include "recurrent/autograd_nodes.h"
-#include "recurrent/decomposition.h"
+#include "recurrent/run_recurrence.h"
 
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
@@ -30,7 +30,8 @@ RecurrenceResult rnn_recurrence_autograd(c10::DispatchKeySet ks, const Tensor& i
   const Tensor c0_t = value(c0), b_hh_t = value(b_hh), w_hr_t = value(w_hr);
   // Forward AD: the decomposition carries the tangents through every step.
   if (any_tangent(input_gates, h0, c0_t, w_hh, b_hh_t, w_hr_t)) {
-    return rnn_recurrence_decomposed(input_gates, h0, c0, w_hh, b_hh, w_hr, mode, reverse);
+    return run_recurrence(input_gates, h0, c0, w_hh, b_hh, w_hr, mode, reverse,
+                          RecurrenceMath::Decomposition);
   }
   NodePtr<RnnRecurrenceBackward0> grad_fn;
   if (torch::autograd::compute_requires_grad(input_gates, h0, c0_t, w_hh, b_hh_t, w_hr_t)) {
@@ -88,8 +89,8 @@ RecurrenceGradsResult rnn_recurrence_backward_autograd(
       torch::autograd::compute_requires_grad(go, ghn, gcn, h0, c0_t, w_hh, w_hr_t, output) ||
       any_tangent(go, ghn, gcn, h0, c0_t, w_hh, w_hr_t, output, workspace);
   if (differentiable && (!inside_transforms() || higher_order_transforms())) {
-    return rnn_recurrence_backward_decomposed(grad_output, grad_h_n, grad_c_n, h0, c0, w_hh,
-                                              w_hr, output, workspace, mode, reverse);
+    return run_recurrence_backward(grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
+                                   workspace, mode, reverse, RecurrenceMath::Decomposition);
   }
   RecurrenceGradsResult result;
   {

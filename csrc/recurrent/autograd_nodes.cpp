@@ -1,7 +1,7 @@
 #include "recurrent/autograd_nodes.h"
 
 #include "ops.h"
-#include "recurrent/decomposition.h"
+#include "recurrent/run_recurrence.h"
 #include "recurrent/recurrence.h"
 
 #include <ATen/ATen.h>
@@ -13,10 +13,6 @@ using torch::autograd::variable_list;
 
 namespace {
 
-OptTensor maybe(const Tensor& t) {
-  return t.defined() ? OptTensor(t) : std::nullopt;
-}
-
 // sum over steps and rows of d_t^T x_t:  T,N,G x T,N,F -> G,F  (grouped:
 // T,E,N,G x T,E,N,F -> E,G,F)
 Tensor weight_grad(const Tensor& d, const Tensor& x, bool grouped) {
@@ -24,14 +20,6 @@ Tensor weight_grad(const Tensor& d, const Tensor& x, bool grouped) {
     return at::mm(d.flatten(0, 1).t(), x.flatten(0, 1));
   }
   return at::bmm(d.transpose(0, 1).flatten(1, 2).transpose(1, 2), x.transpose(0, 1).flatten(1, 2));
-}
-
-// The state each step's W_hh multiplied: h0 for the first step run, then the
-// previous step's output (time runs backwards in a reverse layer).
-Tensor previous_states(const Tensor& h0, const Tensor& output, bool reverse) {
-  const int64_t T = output.size(0);
-  const Tensor rest = output.narrow(0, reverse ? 1 : 0, T - 1);
-  return reverse ? at::cat({rest, h0.unsqueeze(0)}) : at::cat({h0.unsqueeze(0), rest});
 }
 
 }  // namespace
@@ -56,8 +44,8 @@ variable_list RnnRecurrenceBackward0::apply(variable_list&& grads) {
   const Tensor output = output_.unpack(owning_ptr<torch::autograd::Node>(this));
   const Tensor workspace = workspace_.unpack();
   auto [d_input, d_hidden, d_h0, d_c0, d_projected] = rnn_recurrence_backward_op().call(
-      maybe(grads[0]), maybe(grads[1]), maybe(grads[2]), h0, maybe(c0), w_hh, maybe(w_hr),
-      output, workspace, mode_, reverse_);
+      maybe_defined(grads[0]), maybe_defined(grads[1]), maybe_defined(grads[2]), h0,
+      maybe_defined(c0), w_hh, maybe_defined(w_hr), output, workspace, mode_, reverse_);
   const bool grouped = w_hh.dim() == 3;
   const Tensor& d_hidden_gates = d_hidden.defined() ? d_hidden : d_input;
   const bool empty = output.size(0) == 0;
@@ -85,9 +73,9 @@ variable_list RnnRecurrenceBackward0::apply(variable_list&& grads) {
 variable_list RnnRecurrenceBackward0::differentiate_decomposition(const variable_list& grads) {
   const std::array<Tensor, 6> inputs = {input_gates_.unpack(), h0_.unpack(), c0_.unpack(),
                                         w_hh_.unpack(), b_hh_.unpack(), w_hr_.unpack()};
-  auto [output, h_n, c_n, workspace] = rnn_recurrence_decomposed(
-      inputs[0], inputs[1], maybe(inputs[2]), inputs[3], maybe(inputs[4]), maybe(inputs[5]),
-      mode_, reverse_);
+  auto [output, h_n, c_n, workspace] = run_recurrence(
+      inputs[0], inputs[1], maybe_defined(inputs[2]), inputs[3], maybe_defined(inputs[4]),
+      maybe_defined(inputs[5]), mode_, reverse_, RecurrenceMath::Decomposition);
   variable_list outs, outs_grads, wrt;
   const std::array<Tensor, 3> results = {output, h_n, c_n};
   for (size_t i = 0; i < 3; ++i) {
@@ -131,10 +119,10 @@ variable_list FusedLstmLayerBackward0::apply(variable_list&& grads) {
   }
   const auto self = owning_ptr<torch::autograd::Node>(this);
   auto [dx, dw_ih, dw_hh, db_ih, db_hh, dh0, dc0] = fused_lstm_layer_backward_op().call(
-      input_.unpack(), w_ih_.unpack(), w_hh_.unpack(), maybe(b_ih_.unpack()),
-      maybe(b_hh_.unpack()), h0_.unpack(), c0_.unpack(), output_.unpack(self),
-      h_n_.unpack(self), c_n_.unpack(self), maybe(grads[0]), maybe(grads[1]), maybe(grads[2]),
-      workspace_.unpack(), reverse_);
+      input_.unpack(), w_ih_.unpack(), w_hh_.unpack(), maybe_defined(b_ih_.unpack()),
+      maybe_defined(b_hh_.unpack()), h0_.unpack(), c0_.unpack(), output_.unpack(self),
+      h_n_.unpack(self), c_n_.unpack(self), maybe_defined(grads[0]), maybe_defined(grads[1]),
+      maybe_defined(grads[2]), workspace_.unpack(), reverse_);
   const std::array<Tensor, 7> all = {dx, dw_ih, dw_hh, db_ih, db_hh, dh0, dc0};
   for (size_t i = 0; i < all.size(); ++i) {
     if (task_should_compute_output(i)) {

@@ -19,14 +19,6 @@ Tensor sigmoid_slope(const Tensor& s) {
   return s - s * s;
 }
 
-// The states the forward started each step from, in time order: the initial
-// one for the first step run, else the previous step's.
-Tensor previous(const Tensor& initial, const Tensor& seq, bool reverse) {
-  const int64_t T = seq.size(0);
-  const Tensor rest = seq.narrow(0, reverse ? 1 : 0, T - 1);
-  return reverse ? at::cat({rest, initial.unsqueeze(0)}) : at::cat({initial.unsqueeze(0), rest});
-}
-
 struct Loop {
   const Tensor& grad_output;
   RnnMode mode;
@@ -49,7 +41,7 @@ void lstm_backward(const Loop& loop, Tensor dh, Tensor dc, const Tensor& c0, con
   const Tensor tc = tanh_of(c);
   const Tensor dc_coef = o * (1 - tc * tc);  // T,E,N,H
   // T,E,N,3,H: the coefficients of dc* for i, f, g
-  const Tensor ifg_coef = at::stack({g * sigmoid_slope(i), previous(c0, c, loop.reverse) *
+  const Tensor ifg_coef = at::stack({g * sigmoid_slope(i), previous_states(c0, c, loop.reverse) *
                                      sigmoid_slope(f), i * (1 - g * g)}, -2);
   const Tensor o_coef = tc * sigmoid_slope(o);
   const auto sizes = ifg_coef.sizes();
@@ -85,7 +77,7 @@ void gru_backward(const Loop& loop, Tensor dh, const Tensor& h0, const Tensor& w
   const Tensor n = workspace.narrow(-1, 2 * H, H), hn = workspace.narrow(-1, 3 * H, H);
   const Tensor cn = (1 - z) * (1 - n * n);
   const Tensor cr = cn * hn * sigmoid_slope(r);
-  const Tensor cz = (previous(h0, output, loop.reverse) - n) * sigmoid_slope(z);
+  const Tensor cz = (previous_states(h0, output, loop.reverse) - n) * sigmoid_slope(z);
   const Tensor input_coef = at::stack({cr, cz, cn}, -2);  // T,E,N,3,H
   const Tensor hidden_coef = at::stack({cr, cz, cn * r}, -2);
   const auto sizes = input_coef.sizes();

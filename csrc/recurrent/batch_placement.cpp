@@ -6,19 +6,9 @@ namespace batchrules {
 
 namespace {
 
-// `t` with its batch dim at `pos` (inserted and expanded when it has none).
-Tensor batch_at(const Tensor& t, std::optional<int64_t> bdim, int64_t pos, int64_t batch) {
-  if (bdim.has_value()) {
-    return t.movedim(*bdim, pos);
-  }
-  std::vector<int64_t> sizes = t.sizes().vec();
-  sizes.insert(sizes.begin() + pos, batch);
-  return t.unsqueeze(pos).expand(sizes);
-}
-
 // Dims pos, pos+1 as one; an undefined operand stays undefined.
 Tensor fold_into(const Tensor& t, std::optional<int64_t> bdim, int64_t pos, int64_t batch) {
-  return t.defined() ? batch_at(t, bdim, pos, batch).flatten(pos, pos + 1) : t;
+  return t.defined() ? batch_dim_at(t, bdim, pos, batch).flatten(pos, pos + 1) : t;
 }
 
 BatchedResult unfold_from(const Tensor& t, int64_t pos, int64_t batch, int64_t inner) {
@@ -37,7 +27,7 @@ Tensor BatchPlacement::seq(const Tensor& t, std::optional<int64_t> bdim) const {
   if (!t.defined()) {
     return t;
   }
-  const Tensor b = batch_at(t, bdim, 1, batch);  // T,B,(E,)N,F
+  const Tensor b = batch_dim_at(t, bdim, 1, batch);  // T,B,(E,)N,F
   return grouped ? b.flatten(1, 2) : b;
 }
 
@@ -56,7 +46,7 @@ Tensor BatchPlacement::weight(const Tensor& t, std::optional<int64_t> bdim) cons
   if (!t.defined()) {
     return t;
   }
-  const Tensor b = batch_at(t, bdim, 0, batch);  // B,(E,)*w
+  const Tensor b = batch_dim_at(t, bdim, 0, batch);  // B,(E,)*w
   return grouped ? b.flatten(0, 1) : b;
 }
 

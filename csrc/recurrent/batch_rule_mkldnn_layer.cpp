@@ -9,16 +9,9 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
+
 namespace batchrules {
-
-namespace {
-
-template <class... Ts>
-bool any_requires_grad(const Ts&... ts) {
-  return ((ts.defined() && ts.requires_grad()) || ...);
-}
-
-}  // namespace
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> mkldnn_rnn_layer_batched(
     const Tensor& input, const Tensor& w0, const Tensor& w1, const Tensor& w2, const Tensor& w3,
@@ -39,33 +32,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mkldnn_rnn_layer_batched(
                                           unwrap_at(w1, level),    unwrap_at(w2, level),
                                           unwrap_at(w3, level),    unwrap_at(hx, level),
                                           unwrap_at(cx, level)};
-  const auto value = [&](size_t i) { return std::get<0>(ops[i]); };
-  const auto bdim = [&](size_t i) { return std::get<1>(ops[i]); };
-  const int64_t batch = vmap_size_of(ops);
   // The layer computes its training workspace whenever grad mode is on; where
   // no operand can be differentiated it runs as inference, as the eager loop
   // whose outputs need no graph does.
   std::optional<at::NoGradGuard> inference;
-  if (!any_requires_grad(value(0), value(1), value(2), value(3), value(4), value(5), value(6))) {
+  if (std::none_of(ops.begin(), ops.end(), [](const BatchedResult& r) {
+        return std::get<0>(r).defined() && std::get<0>(r).requires_grad();
+      })) {
     inference.emplace();
   }
-  if (!bdim(1) && !bdim(2) && !bdim(3) && !bdim(4)) {
-    // T,B*N,I x 4H,I -> T,B*N,H
-    auto [out, hy, cy, ws] = call(fold_rows(value(0), bdim(0), 1, batch), value(1), value(2),
-                                  value(3), value(4), fold_rows(value(5), bdim(5), 0, batch),
-                                  fold_rows(value(6), bdim(6), 0, batch));
-    return {wrap_at(unfold_rows(out, 1, batch), 1, level),
-            wrap_at(unfold_rows(hy, 0, batch), 0, level),
-            wrap_at(unfold_rows(cy, 0, batch), 0, level), ws};
-  }
-  const auto outs = per_example(ops, batch, [&](const std::vector<Tensor>& a) {
-    auto [out, hy, cy, ws] = call(a[0], a[1], a[2], a[3], a[4], a[5], a[6]);
-    return std::vector<Tensor>{out, hy, cy, ws};
-  });
-  const auto wrap = [&](const Tensor& t) {
-    return wrap_at(t, t.defined() ? std::optional<int64_t>(0) : std::nullopt, level);
-  };
-  return {wrap(outs[0]), wrap(outs[1]), wrap(outs[2]), wrap(outs[3])};
+  auto [out, h_n, c_n, workspace] =
+      batched_lstm_layer(ops, level, [&](const std::vector<Tensor>& a) -> std::array<Tensor, 4> {
+        auto [o, h, c, ws] = call(a[0], a[1], a[2], a[3], a[4], a[5], a[6]);
+        return {o, h, c, ws};
+      });
+  return {out, h_n, c_n, workspace};
 }
 
 }  // namespace batchrules

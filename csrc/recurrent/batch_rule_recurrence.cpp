@@ -9,10 +9,6 @@ namespace batchrules {
 
 namespace {
 
-OptTensor maybe(const Tensor& t) {
-  return t.defined() ? OptTensor(t) : std::nullopt;
-}
-
 // h0 is (E,)N,P: it gives the logical group and row counts.
 BatchPlacement place(const Tensor& h0, OptBdim h0_bdim, bool weights_batched, int64_t batch) {
   const auto sizes = logical_sizes(h0, h0_bdim);
@@ -37,9 +33,10 @@ std::array<BatchedResult, 4> rnn_recurrence_batch_rule(
   // rows:   T,(E,)B*N,GH x (E,)GH,P -> T,(E,)B*N,P
   // groups: T,B*E,N,GH x B*E,GH,P -> T,B*E,N,P
   auto [output, h_n, c_n, workspace] = rnn_recurrence_op().call(
-      p.seq(input_gates, input_gates_bdim), p.state(h0, h0_bdim), maybe(p.state(c0, c0_bdim)),
-      p.weight(w_hh, w_hh_bdim), maybe(p.weight(b_hh, b_hh_bdim)),
-      maybe(p.weight(w_hr, w_hr_bdim)), mode, reverse);
+      p.seq(input_gates, input_gates_bdim), p.state(h0, h0_bdim),
+      maybe_defined(p.state(c0, c0_bdim)), p.weight(w_hh, w_hh_bdim),
+      maybe_defined(p.weight(b_hh, b_hh_bdim)), maybe_defined(p.weight(w_hr, w_hr_bdim)), mode,
+      reverse);
   return {p.seq_out(output), p.state_out(h_n), p.state_out(c_n), p.seq_out(workspace)};
 }
 
@@ -57,9 +54,11 @@ std::array<BatchedResult, 5> rnn_recurrence_backward_batch_rule(
   const bool weights_batched = w_hh_bdim || w_hr_bdim;
   const BatchPlacement p = place(h0, h0_bdim, weights_batched, batch);
   auto [d_input, d_hidden, d_h0, d_c0, d_projected] = rnn_recurrence_backward_op().call(
-      maybe(p.seq(grad_output, grad_output_bdim)), maybe(p.state(grad_h_n, grad_h_n_bdim)),
-      maybe(p.state(grad_c_n, grad_c_n_bdim)), p.state(h0, h0_bdim), maybe(p.state(c0, c0_bdim)),
-      p.weight(w_hh, w_hh_bdim), maybe(p.weight(w_hr, w_hr_bdim)), p.seq(output, output_bdim),
+      maybe_defined(p.seq(grad_output, grad_output_bdim)),
+      maybe_defined(p.state(grad_h_n, grad_h_n_bdim)),
+      maybe_defined(p.state(grad_c_n, grad_c_n_bdim)), p.state(h0, h0_bdim),
+      maybe_defined(p.state(c0, c0_bdim)), p.weight(w_hh, w_hh_bdim),
+      maybe_defined(p.weight(w_hr, w_hr_bdim)), p.seq(output, output_bdim),
       p.seq(workspace, workspace_bdim), mode, reverse);
   return {p.seq_out(d_input), p.seq_out(d_hidden), p.state_out(d_h0), p.state_out(d_c0),
           p.seq_out(d_projected)};

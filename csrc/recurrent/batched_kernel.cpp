@@ -18,10 +18,6 @@ Tensor physical(const OptionalBatched& t) {
   return std::get<0>(t).value_or(Tensor());
 }
 
-OptTensor maybe(const Tensor& t) {
-  return t.defined() ? OptTensor(t) : std::nullopt;
-}
-
 // An optional operand as (physical or undefined, bdim).
 BatchedResult optional_at(const OptTensor& t, int64_t level) {
   auto [value, bdim] = unwrap_at(t, level);
@@ -82,7 +78,7 @@ RecurrenceGradsResult rnn_recurrence_backward_batched(
   return {wrap(grads[0]), wrap(grads[1]), wrap(grads[2]), wrap(grads[3]), wrap(grads[4])};
 }
 
-// Note [oneDNN's LSTM layer under transforms] (layers.cpp): routing calls it
+// Note [oneDNN's LSTM layer under transforms] (lstm_kernel.cpp): routing calls it
 // where weights are shared only when no grad level needs per-example weight
 // gradients, so the forward folds the rows; its backward is exact only per
 // example (or per member).
@@ -99,26 +95,13 @@ RecurrenceResult fused_lstm_layer_batched(const Tensor& input, const Tensor& w_i
       unwrap_at(input, level), unwrap_at(w_ih, level), unwrap_at(w_hh, level),
       optional_at(b_ih, level), optional_at(b_hh, level), unwrap_at(h0, level),
       unwrap_at(c0, level)};
-  const int64_t batch = vmap_size_of(ops);
-  const auto wrap = [level](const Tensor& t, int64_t bdim) { return wrap_at(t, bdim, level); };
-  if (!std::get<1>(ops[1]) && !std::get<1>(ops[2]) && !std::get<1>(ops[3]) &&
-      !std::get<1>(ops[4])) {
-    const auto fold = [&](size_t i, int64_t pos) {
-      return fold_rows(std::get<0>(ops[i]), std::get<1>(ops[i]), pos, batch);
-    };
-    // T,B*N,I x 4H,I -> T,B*N,H
-    auto [out, hy, cy, ws] = fused_lstm_layer_op().call(
-        fold(0, 1), std::get<0>(ops[1]), std::get<0>(ops[2]), maybe(std::get<0>(ops[3])),
-        maybe(std::get<0>(ops[4])), fold(5, 0), fold(6, 0), reverse);
-    return {wrap(unfold_rows(out, 1, batch), 1), wrap(unfold_rows(hy, 0, batch), 0),
-            wrap(unfold_rows(cy, 0, batch), 0), ws};
-  }
-  const auto outs = per_example(ops, batch, [&](const std::vector<Tensor>& a) {
-    auto [out, hy, cy, ws] =
-        fused_lstm_layer_op().call(a[0], a[1], a[2], maybe(a[3]), maybe(a[4]), a[5], a[6], reverse);
-    return std::vector<Tensor>{out, hy, cy, ws};
-  });
-  return {wrap(outs[0], 0), wrap(outs[1], 0), wrap(outs[2], 0), wrap(outs[3], 0)};
+  auto [out, h_n, c_n, workspace] =
+      batched_lstm_layer(ops, level, [&](const std::vector<Tensor>& a) -> std::array<Tensor, 4> {
+        auto [o, h, c, ws] = fused_lstm_layer_op().call(
+            a[0], a[1], a[2], maybe_defined(a[3]), maybe_defined(a[4]), a[5], a[6], reverse);
+        return {o, h, c, ws};
+      });
+  return {out, h_n, c_n, workspace};
 }
 
 FusedLstmGradsResult fused_lstm_layer_backward_batched(
@@ -145,8 +128,8 @@ FusedLstmGradsResult fused_lstm_layer_backward_batched(
       optional_at(grad_c_n, level),  unwrap_at(workspace, level)};
   const auto outs = per_example(ops, vmap_size_of(ops), [&](const std::vector<Tensor>& a) {
     auto [dx, dwi, dwh, dbi, dbh, dh, dc] = fused_lstm_layer_backward_op().call(
-        a[0], a[1], a[2], maybe(a[3]), maybe(a[4]), a[5], a[6], a[7], a[8], a[9], maybe(a[10]),
-        maybe(a[11]), maybe(a[12]), a[13], reverse);
+        a[0], a[1], a[2], maybe_defined(a[3]), maybe_defined(a[4]), a[5], a[6], a[7], a[8], a[9],
+        maybe_defined(a[10]), maybe_defined(a[11]), maybe_defined(a[12]), a[13], reverse);
     return std::vector<Tensor>{dx, dwi, dwh, dbi, dbh, dh, dc};
   });
   const auto wrap = [level](const Tensor& t) {

@@ -24,6 +24,12 @@ Tensor tanh_of(const Tensor& t) {
   return out.mul_(2).sub_(1);
 }
 
+Tensor previous_states(const Tensor& initial, const Tensor& seq, bool reverse) {
+  const int64_t T = seq.size(0);
+  const Tensor rest = seq.narrow(0, reverse ? 1 : 0, T - 1);
+  return reverse ? at::cat({rest, initial.unsqueeze(0)}) : at::cat({initial.unsqueeze(0), rest});
+}
+
 int64_t gate_count(RnnMode mode) {
   switch (mode) {
     case RnnMode::Lstm: return 4;

@@ -1,6 +1,9 @@
 #include "recurrent/fused_batching.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
+#include <ATen/functorch/BatchedTensorImpl.h>
 
 namespace batchrules {
 
@@ -14,18 +17,7 @@ int64_t vmap_size_of(const std::vector<BatchedResult>& operands) {
 }
 
 Tensor fold_rows(const Tensor& t, std::optional<int64_t> bdim, int64_t pos, int64_t batch) {
-  if (!t.defined()) {
-    return t;
-  }
-  Tensor b;
-  if (bdim.has_value()) {
-    b = t.movedim(*bdim, pos);
-  } else {
-    std::vector<int64_t> sizes = t.sizes().vec();
-    sizes.insert(sizes.begin() + pos, batch);
-    b = t.unsqueeze(pos).expand(sizes);
-  }
-  return b.flatten(pos, pos + 1).contiguous();
+  return t.defined() ? batch_dim_at(t, bdim, pos, batch).flatten(pos, pos + 1).contiguous() : t;
 }
 
 Tensor unfold_rows(const Tensor& t, int64_t pos, int64_t batch) {
@@ -58,6 +50,35 @@ std::vector<Tensor> per_example(
     stacked.push_back(!s.empty() && s.front().defined() ? at::stack(s) : Tensor());
   }
   return stacked;
+}
+
+std::array<Tensor, 4> batched_lstm_layer(
+    const std::vector<BatchedResult>& operands, int64_t level,
+    const std::function<std::array<Tensor, 4>(const std::vector<Tensor>&)>& call) {
+  const int64_t batch = vmap_size_of(operands);
+  const auto wrap = [level](const Tensor& t, int64_t bdim) {
+    return t.defined() ? at::functorch::makeBatched(t, bdim, level) : t;
+  };
+  const bool weights_batched = std::any_of(operands.begin() + 1, operands.begin() + 5,
+                                           [](const BatchedResult& r) { return std::get<1>(r); });
+  if (!weights_batched) {
+    std::vector<Tensor> folded;
+    for (const auto& [t, bdim] : operands) {
+      folded.push_back(t);
+    }
+    // T,B*N,I x 4H,I -> T,B*N,H
+    folded[0] = fold_rows(std::get<0>(operands[0]), std::get<1>(operands[0]), 1, batch);
+    folded[5] = fold_rows(std::get<0>(operands[5]), std::get<1>(operands[5]), 0, batch);
+    folded[6] = fold_rows(std::get<0>(operands[6]), std::get<1>(operands[6]), 0, batch);
+    auto [out, h_n, c_n, workspace] = call(folded);
+    return {wrap(unfold_rows(out, 1, batch), 1), wrap(unfold_rows(h_n, 0, batch), 0),
+            wrap(unfold_rows(c_n, 0, batch), 0), workspace};
+  }
+  const auto outs = per_example(operands, batch, [&](const std::vector<Tensor>& args) {
+    const auto r = call(args);
+    return std::vector<Tensor>(r.begin(), r.end());
+  });
+  return {wrap(outs[0], 0), wrap(outs[1], 0), wrap(outs[2], 0), wrap(outs[3], 0)};
 }
 
 }  // namespace batchrules

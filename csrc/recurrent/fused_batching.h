@@ -3,11 +3,12 @@
 // has no group dim, and sums weight gradients over its rows. So a rule either
 // folds the vmap dim into the rows (forward with shared weights) or calls the
 // kernel once per example or member, the loop of fused calls a user would
-// write. See Note [oneDNN's LSTM layer under transforms] (layers.cpp).
+// write. See Note [oneDNN's LSTM layer under transforms] (lstm_kernel.cpp).
 #pragma once
 
 #include "common/batching_utils.h"
 
+#include <array>
 #include <functional>
 #include <vector>
 
@@ -29,5 +30,15 @@ Tensor unfold_rows(const Tensor& t, int64_t pos, int64_t batch);
 std::vector<Tensor> per_example(
     const std::vector<BatchedResult>& operands, int64_t batch,
     const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& call);
+
+// A oneDNN LSTM layer under vmap at `level`: operands input [T, N, I],
+// w_ih, w_hh, b_ih, b_hh, h0 [N, H], c0 [N, H] (physical, with their bdims;
+// an absent bias undefined); `call` runs the layer on such physical operands
+// and returns output, h_n, c_n, workspace. Shared weights: one call over the
+// folded rows (the workspace then belongs to the folded call, unbatched);
+// batched weights: one call per member. Returns the outputs batched at `level`.
+std::array<Tensor, 4> batched_lstm_layer(
+    const std::vector<BatchedResult>& operands, int64_t level,
+    const std::function<std::array<Tensor, 4>(const std::vector<Tensor>&)>& call);
 
 }  // namespace batchrules

@@ -1,6 +1,8 @@
 // CPU kernels of batchrules::fused_lstm_layer and its backward: oneDNN's LSTM
-// layer and its fused backward, as aten runs them for an eager nn.LSTM. See
-// Note [oneDNN's LSTM layer under transforms] (layers.cpp).
+// layer and its fused backward, as aten runs them for an eager nn.LSTM, and
+// the forward call routing also makes where nothing is differentiated
+// (onednn_lstm_forward). See Note [oneDNN's LSTM layer under transforms]
+// (lstm_kernel.cpp).
 #include "ops.h"
 #include "recurrent/fused_lstm.h"
 
@@ -12,13 +14,16 @@ namespace batchrules {
 
 namespace {
 
-struct Biases {
+// oneDNN's LSTM kind (ideep::rnn_kind::LSTM) in aten::mkldnn_rnn_layer.
+constexpr int64_t kOneDnnLstm = 2;
+
+struct OneDnnBiases {
   Tensor ih, hh;
   bool given;
 };
 
 // oneDNN takes zeros for absent biases.
-Biases biases(const OptTensor& b_ih, const OptTensor& b_hh, const Tensor& w_hh) {
+OneDnnBiases onednn_biases(const OptTensor& b_ih, const OptTensor& b_hh, const Tensor& w_hh) {
   const bool given = b_ih.has_value() && b_ih->defined();
   const auto zeros = [&] { return at::zeros({w_hh.size(0)}, w_hh.options()); };
   return {given ? *b_ih : zeros(), given ? *b_hh : zeros(), given};
@@ -40,14 +45,8 @@ RecurrenceResult fused_lstm_layer_cpu(const Tensor& input, const Tensor& w_ih, c
                                       const OptTensor& b_ih, const OptTensor& b_hh,
                                       const Tensor& h0, const Tensor& c0, bool reverse) {
   check_fused_operands(input, w_hh, b_ih, b_hh);
-  const Biases b = biases(b_ih, b_hh, w_hh);
-  // oneDNN keeps the workspace its backward reads only in grad mode.
-  const at::AutoGradMode training(true);
-  auto [out, hy, cy, ws] = at::mkldnn_rnn_layer(
-      input.contiguous(), w_ih, w_hh, b.ih, b.hh, h0.contiguous(), c0.contiguous(), reverse, {},
-      kOneDnnLstm, w_hh.size(1), /*num_layers=*/1, b.given, /*bidirectional=*/false,
-      /*batch_first=*/false, /*train=*/true);
-  return {out, hy, cy, ws};
+  const at::AutoGradMode training(true);  // for the workspace the backward reads
+  return onednn_lstm_forward(input, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, /*train=*/true);
 }
 
 FusedLstmGradsResult fused_lstm_layer_backward_cpu(
@@ -56,7 +55,7 @@ FusedLstmGradsResult fused_lstm_layer_backward_cpu(
     const Tensor& h_n, const Tensor& c_n, const OptTensor& grad_output, const OptTensor& grad_h_n,
     const OptTensor& grad_c_n, const Tensor& workspace, bool reverse) {
   check_fused_operands(input, w_hh, b_ih, b_hh);
-  const Biases b = biases(b_ih, b_hh, w_hh);
+  const OneDnnBiases b = onednn_biases(b_ih, b_hh, w_hh);
   auto [dx, dw_ih, dw_hh, db_ih, db_hh, dh0, dc0] = at::mkldnn_rnn_layer_backward(
       input.contiguous(), w_ih, w_hh, b.ih, b.hh, h0.contiguous(), c0.contiguous(), output, h_n,
       c_n, grad_output, grad_h_n, grad_c_n, reverse, kOneDnnLstm, w_hh.size(1), 1, b.given,
@@ -69,6 +68,17 @@ FusedLstmGradsResult fused_lstm_layer_backward_cpu(
 }
 
 }  // namespace
+
+RecurrenceResult onednn_lstm_forward(const Tensor& x, const Tensor& w_ih, const Tensor& w_hh,
+                                     const OptTensor& b_ih, const OptTensor& b_hh,
+                                     const Tensor& h0, const Tensor& c0, bool reverse, bool train) {
+  const OneDnnBiases b = onednn_biases(b_ih, b_hh, w_hh);
+  auto [out, hy, cy, ws] = at::mkldnn_rnn_layer(
+      x.contiguous(), w_ih, w_hh, b.ih, b.hh, h0.contiguous(), c0.contiguous(), reverse, {},
+      kOneDnnLstm, w_hh.size(1), /*num_layers=*/1, b.given, /*bidirectional=*/false,
+      /*batch_first=*/false, train);
+  return {out, hy, cy, ws};
+}
 
 TORCH_LIBRARY_IMPL(batchrules, CPU, m) {
   m.impl("fused_lstm_layer", TORCH_FN(fused_lstm_layer_cpu));

@@ -4,7 +4,7 @@
 
 #include "common/autocast.h"
 #include "common/transform_stack.h"
-#include "recurrent/decomposition.h"
+#include "recurrent/run_recurrence.h"
 #include "recurrent/fused_lstm.h"
 
 #include <ATen/ATen.h>
@@ -24,19 +24,16 @@ const char* mode_name(RnnMode mode) {
   }
 }
 
-OptTensor maybe(const Tensor& t) {
-  return t.defined() ? OptTensor(t) : std::nullopt;
-}
-
 // See Note [Recurrent layers under higher-order transforms].
 RecurrenceResult recurrence(const Tensor& gates, const Tensor& h0, const Tensor& c0,
                             const Tensor& w_hh, const OptTensor& b_hh, const OptTensor& w_hr,
                             RnnMode mode, bool reverse) {
   const auto m = static_cast<int64_t>(mode);
   if (higher_order_transforms()) {
-    return rnn_recurrence_decomposed(gates, h0, maybe(c0), w_hh, b_hh, w_hr, m, reverse);
+    return run_recurrence(gates, h0, maybe_defined(c0), w_hh, b_hh, w_hr, m, reverse,
+                          RecurrenceMath::Decomposition);
   }
-  return rnn_recurrence_op().call(gates, h0, maybe(c0), w_hh, b_hh, w_hr, m, reverse);
+  return rnn_recurrence_op().call(gates, h0, maybe_defined(c0), w_hh, b_hh, w_hr, m, reverse);
 }
 
 // x: T,N,I x GH,I -> T,N,GH, then the loop over T. Under autocast the
@@ -54,23 +51,15 @@ RecurrenceResult layer_direction(const Tensor& x, const Tensor& h0, const Tensor
   return recurrence(gates, h0, c0, w_hh, b_hh, w_hr, mode, reverse);
 }
 
-// T,N,I -> T,N,H through oneDNN's fused layer, which reads dense time-major
-// operands and takes zeros for absent biases.
+// T,N,I -> T,N,H through oneDNN's fused layer: aten's where nothing is
+// differentiated, ours (oneDNN's backward under our node) under a grad level.
 RecurrenceResult onednn_lstm_layer(const Tensor& x, const Tensor& h0, const Tensor& c0,
                                    const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
                                    const OptTensor& b_hh, bool reverse, const RnnOptions& o) {
   if (o.lstm_kernel == LstmKernel::OneDnnTraining) {
     return fused_lstm_layer_op().call(x, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse);
   }
-  const int64_t gh = w_hh.size(0);
-  const auto bias = [&](const OptTensor& b) {
-    return b.has_value() ? *b : at::zeros({gh}, w_hh.options());
-  };
-  auto [out, hy, cy, ws] = at::mkldnn_rnn_layer(
-      x.contiguous(), w_ih, w_hh, bias(b_ih), bias(b_hh), h0.contiguous(), c0.contiguous(),
-      reverse, {}, kOneDnnLstm, w_hh.size(1), o.num_layers, o.has_biases, o.bidirectional,
-      /*batch_first=*/false, o.train);
-  return {out, hy, cy, ws};
+  return onednn_lstm_forward(x, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, o.train);
 }
 
 }  // namespace
@@ -101,9 +90,9 @@ std::tuple<Tensor, Tensor, Tensor> run_rnn(const Tensor& input, const Tensor& hx
     for (int64_t d = 0; d < directions; ++d) {
       const int64_t index = layer * directions + d;
       const Tensor* p = params.data() + index * per_layer;
-      const OptTensor b_ih = o.has_biases ? maybe(p[2]) : std::nullopt;
-      const OptTensor b_hh = o.has_biases ? maybe(p[3]) : std::nullopt;
-      const OptTensor w_hr = projected ? maybe(p[per_layer - 1]) : std::nullopt;
+      const OptTensor b_ih = o.has_biases ? maybe_defined(p[2]) : std::nullopt;
+      const OptTensor b_hh = o.has_biases ? maybe_defined(p[3]) : std::nullopt;
+      const OptTensor w_hr = projected ? maybe_defined(p[per_layer - 1]) : std::nullopt;
       const Tensor h0 = hx.select(0, index), c0 = lstm ? cx.select(0, index) : Tensor();
       auto [out, hn, cn, ws] =
           o.lstm_kernel != LstmKernel::Recurrence

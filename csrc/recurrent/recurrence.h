@@ -34,6 +34,11 @@ enum class RnnMode : int64_t { Lstm = 0, Gru = 1, RnnTanh = 2, RnnRelu = 3 };
 
 RnnMode rnn_mode(int64_t mode);
 
+// The states the forward started each step from, in time order: `initial`
+// for the first step it ran, else the previous step's entry of `seq` (time
+// runs backwards in a reverse layer). seq: T,...; initial: seq's step shape.
+Tensor previous_states(const Tensor& initial, const Tensor& seq, bool reverse);
+
 // Note [tanh as a sigmoid]
 // tanh(x) = 2 sigmoid(2x) - 1. On the CPU aten's sigmoid is vectorized where
 // its tanh is ~9x slower per element (AVX512 builds of torch 2.13), and the

@@ -1,4 +1,4 @@
-#include "recurrent/decomposition.h"
+#include "recurrent/run_recurrence.h"
 
 #include "recurrent/grouping.h"
 #include "recurrent/recurrence.h"
@@ -6,10 +6,9 @@
 
 namespace batchrules {
 
-RecurrenceResult rnn_recurrence_decomposed(const Tensor& input_gates, const Tensor& h0,
-                                           const OptTensor& c0, const Tensor& w_hh,
-                                           const OptTensor& b_hh, const OptTensor& w_hr,
-                                           int64_t mode, bool reverse, RecurrenceMath math) {
+RecurrenceResult run_recurrence(const Tensor& input_gates, const Tensor& h0, const OptTensor& c0,
+                                const Tensor& w_hh, const OptTensor& b_hh, const OptTensor& w_hr,
+                                int64_t mode, bool reverse, RecurrenceMath math) {
   const RnnMode m = rnn_mode(mode);
   const Grouping g{check_recurrence_shapes("batchrules.rnn_recurrence", input_gates, h0, c0,
                                            w_hh, b_hh, w_hr, m)
@@ -21,7 +20,7 @@ RecurrenceResult rnn_recurrence_decomposed(const Tensor& input_gates, const Tens
   return {g.unseq(out.output), g.unlead(out.h_n), g.unlead(out.c_n), g.unseq(out.workspace)};
 }
 
-RecurrenceGradsResult rnn_recurrence_backward_decomposed(
+RecurrenceGradsResult run_recurrence_backward(
     const OptTensor& grad_output, const OptTensor& grad_h_n, const OptTensor& grad_c_n,
     const Tensor& h0, const OptTensor& c0, const Tensor& w_hh, const OptTensor& w_hr,
     const Tensor& output, const Tensor& workspace, int64_t mode, bool reverse,
