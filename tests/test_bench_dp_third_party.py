@@ -49,6 +49,28 @@ def test_tiny_row_runs_and_matches(scenario: str) -> None:
     assert any("Opacus" in c.target for c in checks)
 
 
+IMAGE_ROWS = {"dp_resnet18_gn": (tp.resnet18_gn_problem, ("torchvision",)),
+              "dp_vit": (tp.vit_problem, ("timm", "torchvision"))}
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("scenario", sorted(IMAGE_ROWS))
+def test_image_row_runs_and_matches(scenario: str) -> None:
+    """The image rows at batch 2, Opacus included (its ModuleValidator pickles the model)."""
+    problem, packages = IMAGE_ROWS[scenario]
+    for package in packages:
+        pytest.importorskip(package)
+    case = tp.Case(scenario, "b2", "large", 1, "tiny", tp.guarded(lambda d: problem(d, batch=2)),
+                   tp.targets(True, "opacus_ghost"))
+    result = run_case(case, torch.device("cpu"), PLAN)
+    ran = {n: v for n, v in result.variants.items() if v.skipped is None}
+    assert {"stock", "clipped_grad", "nonprivate"} <= ran.keys()
+    if opacus_missing_reason() is None:
+        assert {"opacus_hooks", "opacus_ghost"} <= ran.keys()
+    for name, v in ran.items():
+        assert v.error is None and v.check is not None and v.check.ok, (name, v.error, v.check)
+
+
 def test_missing_package_skips_the_row() -> None:
     def build(device: torch.device) -> tp.Problem:
         import batchrules_no_such_package  # noqa: F401

@@ -5,6 +5,7 @@ inputs, the targets and a criterion that sums the samples' losses. Every
 dropout probability is 0, and the models stay in training mode (Opacus'
 hooks record only there). The packages are imported when a model is built:
 a missing one raises ImportError there."""
+import functools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Tuple
 
@@ -145,22 +146,28 @@ def bert_problem(size: Size, device: torch.device) -> Problem:
                     nn.CrossEntropyLoss(reduction="sum"))
 
 
-def _image_problem(model: nn.Module, device: torch.device) -> Problem:
+def _image_logits(model: nn.Module, images: Tensor) -> Tensor:
+    return model(images)
+
+
+def _image_problem(model: nn.Module, device: torch.device, batch: int) -> Problem:
     gen = torch.Generator().manual_seed(1)
-    images = torch.randn(IMAGE_BATCH, 3, 32, 32, generator=gen)
-    labels = torch.randint(0, 10, (IMAGE_BATCH,), generator=gen)
-    return Problem(Logits(model, lambda m, x: m(x)).to(device), (images.to(device),),
+    images = torch.randn(batch, 3, 32, 32, generator=gen)
+    labels = torch.randint(0, 10, (batch,), generator=gen)
+    return Problem(Logits(model, _image_logits).to(device), (images.to(device),),
                     labels.to(device), nn.CrossEntropyLoss(reduction="sum"))
 
 
-def resnet18_gn_problem(device: torch.device) -> Problem:
+def resnet18_gn_problem(device: torch.device, batch: int = IMAGE_BATCH) -> Problem:
     from torchvision.models import resnet18
     torch.manual_seed(0)
-    return _image_problem(resnet18(num_classes=10, norm_layer=lambda c: nn.GroupNorm(2, c)), device)
+    # a partial, not a lambda: ResNet keeps its norm_layer, and Opacus pickles the model
+    gn = functools.partial(nn.GroupNorm, 2)
+    return _image_problem(resnet18(num_classes=10, norm_layer=gn), device, batch)
 
 
-def vit_problem(device: torch.device) -> Problem:
+def vit_problem(device: torch.device, batch: int = IMAGE_BATCH) -> Problem:
     from timm.models.vision_transformer import VisionTransformer
     torch.manual_seed(0)
     return _image_problem(VisionTransformer(img_size=32, patch_size=4, embed_dim=256, depth=4,
-                                          num_heads=4, num_classes=10), device)
+                                          num_heads=4, num_classes=10), device, batch)

@@ -111,16 +111,40 @@ def cross_entropy_sum(out: Tensor, target: Tensor) -> Tensor:
 
 # ---- DP-SGD clipping (scenarios/dp_step.py) --------------------------------------------------
 
+class _ClonedOutput(nn.Module):
+    """``norm``, its output cloned (see _opacus_ready)."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.cloned_output_of = norm
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.cloned_output_of(x).clone()
+
+
 def _opacus_ready(model: nn.Module) -> Tuple[nn.Module, Callable[[List[Tensor]], List[Tensor]]]:
     """A copy of the model as an Opacus user trains it: ModuleValidator.fix
     swaps the layers Opacus cannot hook (nn.MultiheadAttention ->
     DPMultiheadAttention, with the same weights, its packed in-projection
-    split into q/k/v linears). Also returns the map from gradients of the
-    copy's trainable parameters to gradients in the model's parameter order."""
+    split into q/k/v linears), and no hooked layer's output is modified in
+    place (Opacus' backward hooks refuse that: torchvision's ResNet adds the
+    residual into its last GroupNorm's output, ``out += identity``, then
+    applies ReLU(inplace=True)): in-place activations become out-of-place and
+    each GroupNorm's output is cloned. Also returns the map from gradients of
+    the copy's trainable parameters to gradients in the model's parameter
+    order (the clones keep the parameter names' order, not their names)."""
     from opacus.validators import ModuleValidator
 
     fixed = ModuleValidator.fix(copy.deepcopy(model))
-    names = [n for n, p in fixed.named_parameters() if p.requires_grad]
+    for module in fixed.modules():
+        if getattr(module, "inplace", False) is True:
+            module.inplace = False
+    for parent in list(fixed.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, nn.GroupNorm):
+                setattr(parent, child_name, _ClonedOutput(child))
+    names = [n.replace(".cloned_output_of.", ".") for n, p in fixed.named_parameters()
+             if p.requires_grad]
 
     def to_model_order(grads: List[Tensor]) -> List[Tensor]:
         by_name = dict(zip(names, grads))
