@@ -109,7 +109,7 @@ def eager_under_compile(fn: F) -> F:
     calling it breaks its graph there and runs ``fn`` eagerly.
 
     For functions Dynamo cannot trace, such as ``clipped_grad``'s body (its
-    TorchFunctionMode, its own vmap levels and ``autograd.grad``). That is
+    interception, its own vmap levels and ``autograd.grad``). That is
     ``torch._dynamo.disable(fn)``, but importing Dynamo costs most of a second,
     so the decorated function calls ``fn`` itself until ``torch._dynamo`` is
     imported (nothing compiles before), and ``disable(fn)`` from then on.

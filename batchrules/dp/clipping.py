@@ -124,8 +124,8 @@ def _norms(params: List[Param], kinds: Dict[Param, str], fused: Dict[Param, Para
             uses = _live(p)
             squares.append(type(uses[0]).norms_sq(uses, fused.get(p)))
     if not squares:
-        return torch.zeros(batch, dtype=params[0].leaf.dtype if params else None,
-                           device=params[0].leaf.device if params else None)
+        return torch.zeros(batch, dtype=params[0].value.dtype if params else None,
+                           device=params[0].value.device if params else None)
     total = squares[0]
     for s in squares[1:]:
         total = total + s
@@ -152,7 +152,7 @@ def _clipped_sum(p: Param, k: str, coef: Tensor, fused: Dict[Param, Param],
         g = per_sample.pop(p)
         return torch.tensordot(coef.to(g.dtype), g, dims=1), None
     if k == "zero":
-        return torch.zeros_like(p.leaf), None
+        return torch.zeros_like(p.value), None
     if k == "tied":  # additive over the parts (their biases, if any, are of kind "bias")
         parts = _parts(_live(p))
         total = type(parts[0][0]).clipped_sum(parts[0], coef, None, owned)[0]
@@ -175,9 +175,9 @@ def clip(params: List[Param], batch: int, max_norm: float) -> Tuple[List[Tensor]
     parameter's sum is allocated when the least else is held (peak memory).
     """
     if batch == 0:  # an empty (Poisson-sampled) batch
-        dtype = params[0].leaf.dtype if params else torch.get_default_dtype()
-        device = params[0].leaf.device if params else None
-        return [torch.zeros_like(p.leaf) for p in params], torch.zeros(0, dtype=dtype, device=device)
+        dtype = params[0].value.dtype if params else torch.get_default_dtype()
+        device = params[0].value.device if params else None
+        return [torch.zeros_like(p.value) for p in params], torch.zeros(0, dtype=dtype, device=device)
     kinds = {p: kind(p) for p in params}
     fused = {p: b for p in params if kinds[p] not in _NOT_RULE_KINDS
              for b in [_fused_bias(p, kinds)] if b is not None}
@@ -196,7 +196,7 @@ def clip(params: List[Param], batch: int, max_norm: float) -> Tuple[List[Tensor]
 
     sums: Dict[Param, Tensor] = {}
     fused_biases = set(fused.values())
-    for p in sorted(params, key=lambda q: q.leaf.numel()):
+    for p in sorted(params, key=lambda q: q.value.numel()):
         if p in sums or p in fused_biases:
             continue
         sums[p], grad_b = _clipped_sum(p, kinds[p], coef, fused, per_sample, owned)

@@ -1,9 +1,24 @@
-"""The TorchFunctionMode that sees every torch call of the loss under clipped_grad."""
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+"""How clipped_grad sees the loss's calls that take a differentiated tensor.
+
+Note [Intercepting only the calls that take a parameter]
+Each differentiated leaf reaches the loss as a ``Differentiated``: the same
+storage and autograd leaf, as a tensor subclass whose ``__torch_function__``
+routes every torch call taking it (as an argument, in a list of tensors, or
+as ``self`` of a method) to the active ``Interceptor``. Calls that take no
+parameter (activations, reshapes, the loss, attention on activations) never
+leave C++: clipped_grad adds nothing to them beyond what vmap itself costs.
+A TorchFunctionMode would also see those, at about 2 us each on CPU (Python
+dispatch), a cost that grew with the model's ops rather than its layers. The
+price: a rule can only intercept calls that take a parameter (a layer rule's
+weight, BatchNorm's affine parameters), and a BatchNorm in training mode
+without affine parameters is refused by vmap itself (its message names the
+running statistics) rather than by clipped_grad.
+"""
+import threading
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
 from .._compat import current_transform_level, only_vmaps_above
 from .rule import NOT_HANDLED, Intercept
@@ -27,32 +42,66 @@ def _is_metadata(func: Callable) -> bool:
     return name in _METADATA_METHODS
 
 
-class Interceptor(TorchFunctionMode):
-    """Routes each torch call of the loss: calls of a function in ``intercepts``
+class _Active(threading.local):
+    interceptor: Optional["Interceptor"] = None
+
+
+_active = _Active()
+
+
+class Differentiated(Tensor):
+    """A differentiated leaf as the loss sees it (Note [Intercepting only the
+    calls that take a parameter]). Outside clipped_grad's forward it behaves
+    as a plain tensor; results of calls are plain tensors."""
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: Tuple[Any, ...] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        # Rules and the generic path work on plain tensors: no re-entry here.
+        with torch._C.DisableTorchFunctionSubclass():
+            interceptor = _active.interceptor
+            if interceptor is None:
+                return func(*args, **kwargs)
+            return interceptor.handle(func, args, kwargs)
+
+
+def intercepted_leaf(leaf: Tensor) -> Differentiated:
+    """A detached ``Differentiated`` leaf that requires grad, sharing ``leaf``'s storage."""
+    return Tensor._make_subclass(Differentiated, leaf.detach(), True)
+
+
+class Interceptor:
+    """While entered (in this thread), routes each call that takes a
+    ``Differentiated`` of ``tape``: a call of a function in ``intercepts``
     (rule.py's INTERCEPTS, filled by layers/) made directly at clipped_grad's
-    vmap level are handled by its rule, which records a use on the tape; every
-    other call that takes a parameter gets per-sample copies instead
-    (Note [Per-sample copies]); the rest runs as is.
+    vmap level is handled by its rule, which records a use on the tape; any
+    other gets per-sample copies of the parameters it takes (Note [Per-sample
+    copies] in tape.py).
     """
 
     def __init__(self, tape: Tape, intercepts: Dict[Callable, Intercept]) -> None:
-        super().__init__()
         self.tape = tape
         self.intercepts = intercepts
+        self._outer: Optional[Interceptor] = None
 
-    def __torch_function__(self, func: Callable, types: Any, args: Tuple[Any, ...] = (),
-                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
-        kwargs = kwargs or {}
+    def __enter__(self) -> "Interceptor":
+        self._outer, _active.interceptor = _active.interceptor, self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _active.interceptor = self._outer
+
+    def handle(self, func: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if not torch.is_grad_enabled() or _is_metadata(func):
             return func(*args, **kwargs)
-        intercept = self.intercepts.get(func)
         at_our_level = current_transform_level() == self.tape.level
+        intercept = self.intercepts.get(func)
         if intercept is not None and at_our_level:
             out = intercept(self.tape, args, kwargs)
             if out is not NOT_HANDLED:
                 return out
-        if (self._holds_param(args) or self._holds_param(tuple(kwargs.values()))) and (
-                at_our_level or only_vmaps_above(self.tape.level)):
+        if at_our_level or only_vmaps_above(self.tape.level):
             # Inside a nested grad/jvp the copy could not be made (functorch
             # cannot wrap a tensor for an outer level there): the parameter
             # is left as is, and the backward reports its use as escaped.
@@ -60,7 +109,7 @@ class Interceptor(TorchFunctionMode):
             kwargs = {k: self._substitute(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
 
-    def _holds_param(self, items: Sequence[Any]) -> bool:
+    def _holds_param(self, items: Iterable[Any]) -> bool:
         for item in items:
             if isinstance(item, Tensor):
                 if self.tape.param(item) is not None:

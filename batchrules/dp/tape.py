@@ -45,15 +45,21 @@ def weight_for(weight: Tensor, other_operands_need_grad: bool) -> Tensor:
 @dataclass(eq=False)
 class Param:
     """A differentiated tensor: its name (key path) for messages, the leaf the
-    loss sees, its intercepted uses and, when some use could not be ghosted,
+    loss sees (Note [Intercepting only the calls that take a parameter] in
+    interceptor.py), its intercepted uses and, when some use could not be ghosted,
     its per-sample copy (see Note [Per-sample copies])."""
 
     index: int
     namer: Callable[[], str]
-    leaf: Tensor
+    leaf: Tensor  # an interceptor.Differentiated
     uses: List["Use"] = field(default_factory=list)
     copy: Optional[Tensor] = None  # physical [B, *shape] leaf
     copy_grad: Optional[Tensor] = None
+    value: Tensor = field(init=False)  # the leaf's data as a plain tensor (no interception)
+
+    def __post_init__(self) -> None:
+        with torch._C.DisableTorchFunctionSubclass():
+            self.value = self.leaf.detach()
 
     @property
     def name(self) -> str:
@@ -95,7 +101,7 @@ class Tape:
     def per_sample_copy(self, param: Param) -> Tensor:
         """The batched per-sample copy of ``param`` (Note [Per-sample copies])."""
         if param.copy is None:
-            leaf = param.leaf.detach()
+            leaf = param.value
             with allow_requires_grad():
                 param.copy = leaf.expand(self.batch_size, *leaf.shape).requires_grad_()
         return add_batch_dim(param.copy, 0, self.level)
@@ -113,5 +119,5 @@ class Tape:
 
 
 def zeros_grad(param: Param, batch_size: int) -> Tensor:
-    return torch.zeros((batch_size, *param.leaf.shape), dtype=param.leaf.dtype,
-                       device=param.leaf.device)
+    return torch.zeros((batch_size, *param.value.shape), dtype=param.value.dtype,
+                       device=param.value.device)

@@ -3,9 +3,10 @@
 Note [Forward under vmap, backward outside it]
 The loss runs once under ``vmap(loss, in_dims)`` with the differentiated
 arguments unbatched: vmap passes them through unwrapped, so inside the
-vmapped function they are the very tensors clipped_grad passed in, and a
-TorchFunctionMode entered there (interceptor.py) recognizes every call that
-uses one. Rules (layers/) run linears, convolutions, embeddings and self-attention on
+vmapped function they are the very tensors clipped_grad passed in (leaves of
+a tensor subclass), and every call that takes one reaches the Interceptor
+(Note [Intercepting only the calls that take a parameter]). Rules (layers/)
+run linears, convolutions, embeddings and self-attention on
 the physical (batch-first) tensors with detached weights and record each
 call's input and an autograd edge of its output (tape.py); other calls get
 per-sample copies of the parameters they take. The backward is ONE
@@ -37,7 +38,7 @@ from .. import routing
 from .._compat import batched_level, current_transform_level, unwrap_batched
 from ..compile import eager_under_compile
 from .clipping import clip
-from .interceptor import Interceptor
+from .interceptor import Interceptor, intercepted_leaf
 from .layers import INTERCEPTS
 from .tape import Param, Tape
 
@@ -180,7 +181,9 @@ def _backward(losses: Tensor, tape: Tape, params: List[Param]) -> None:
     inputs = [u.edge for u in tape.uses] + [p.copy for p in copies] + [p.leaf for p in params]
     grads: Tuple[Optional[Tensor], ...] = (None,) * len(inputs)
     if losses.requires_grad and inputs:
-        grads = torch.autograd.grad(losses.sum(), inputs, allow_unused=True)
+        # The leaves are interceptor.Differentiated: no __torch_function__ round trip.
+        with torch._C.DisableTorchFunctionSubclass():
+            grads = torch.autograd.grad(losses.sum(), inputs, allow_unused=True)
     leaf_grads = grads[len(tape.uses) + len(copies):]
     escaped = [p.name for p, g in zip(params, leaf_grads) if g is not None]
     if escaped:
@@ -192,7 +195,7 @@ def _backward(losses: Tensor, tape: Tape, params: List[Param]) -> None:
     tape.check_inputs_unchanged()
     for use, g in zip(tape.uses, grads):
         # See Note [clipped_grad under autocast].
-        use.set_grad(g if g is None else g.to(next(iter(use.roles())).leaf.dtype))
+        use.set_grad(g if g is None else g.to(next(iter(use.roles())).value.dtype))
     for p, g in zip(copies, grads[len(tape.uses):]):
         p.copy_grad = g
 
@@ -243,8 +246,8 @@ def _params(args: Tuple[Any, ...], positions: Tuple[int, ...]) -> Tuple[List[Par
                 raise ValueError(f"clipped_grad: {namer(k)} is an nn.Parameter with "
                                  "requires_grad=False (frozen); leave it out of the differentiated "
                                  "argument (pass it in another, unbatched argument) or unfreeze it")
-            leaf = leaf.detach().requires_grad_()  # see Note [Forward under vmap, backward outside it]
-            params.append(Param(len(params), functools.partial(namer, k), leaf))
+            # See Note [Forward under vmap, backward outside it].
+            params.append(Param(len(params), functools.partial(namer, k), intercepted_leaf(leaf)))
         specs.append(spec)
     return params, specs
 
@@ -301,7 +304,7 @@ def _check_loss(out: Any, has_aux: bool) -> None:
 # materialized reference (vmap(grad) + clip + sum) forms them from float32
 # per-sample gradients (autograd returns those in the parameter's dtype).
 def _autocast_off(params: List[Param]) -> Any:
-    device = params[0].leaf.device.type if params else "cpu"
+    device = params[0].value.device.type if params else "cpu"
     if not torch.amp.is_autocast_available(device):
         return contextlib.nullcontext()
     return torch.autocast(device, enabled=False)

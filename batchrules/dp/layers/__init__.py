@@ -1,9 +1,12 @@
 """The rules clipped_grad intercepts calls with, one file each, registered by
 ``@register`` (the contract: rule.py): the layers whose per-sample norms come
-from (input, output gradient) (recurrent layers' weights among them), the loss (Note [Losses on physical
-tensors]), and the calls refused with a clear error (refused.py)."""
+from (input, output gradient) (recurrent layers' weights among them), and
+the calls refused with a clear error (refused.py). A rule sees only calls
+that take a parameter (Note [Intercepting only the calls that take a
+parameter] in interceptor.py); the loss runs under vmap with routing's C++
+batching rules for aten's loss kernels."""
 from ..rule import INTERCEPTS
-from . import (addmm, attention, conv, cross_entropy, embedding, layer_norm,  # noqa: F401
-               linear, recurrent, refused)
+from . import (addmm, attention, conv, embedding, layer_norm, linear, recurrent,  # noqa: F401
+               refused)
 
 __all__ = ["INTERCEPTS"]

@@ -94,7 +94,7 @@ class ConvUse(Use):
         """Sample slice ``s``'s unfolded input, ``[b, G, N*P, C/G*k]``."""
         n, dims = self.images, len(self.stride)
         x = self.input[s.start * n:s.stop * n]
-        kernel, stride = tuple(self.weight.leaf.shape[2:]), self.stride
+        kernel, stride = tuple(self.weight.value.shape[2:]), self.stride
         padding, dilation = self.padding, self.dilation
         if dims == 1:  # as a conv2d of height 1
             x, kernel, stride = x.unsqueeze(2), (1, *kernel), (1, *stride)
@@ -123,7 +123,7 @@ class ConvUse(Use):
             return self.grads(every).sum(2).flatten(1)  # b, G, T, O/G -> b, O
         # b,G,O/G,T x b,G,T,C/G*k -> b,G,O/G,C/G*k
         grad = torch.matmul(self.grads(every).transpose(-1, -2), self.patches(every))
-        return grad.reshape(self.samples, *self.weight.leaf.shape)
+        return grad.reshape(self.samples, *self.weight.value.shape)
 
     def grouped_grads(self, s: slice) -> Tensor:
         """Sample slice ``s``'s weight gradients, ``[b, numel]``: one
@@ -135,7 +135,7 @@ class ConvUse(Use):
         # b*n, C, *spatial -> n, b*C, *spatial (a view when n == 1)
         x = x.view(b, n, *x.shape[1:]).transpose(0, 1).reshape(n, b * x.shape[1], *x.shape[2:])
         g = g.view(b, n, *g.shape[1:]).transpose(0, 1).reshape(n, b * g.shape[1], *g.shape[2:])
-        w = self.weight.leaf
+        w = self.weight.value
         # Only the weight's shape matters to its own gradient: zeros, no memory.
         weight = w.new_zeros(()).expand(b * w.shape[0], *w.shape[1:])
         _, per_sample, _ = torch.ops.aten.convolution_backward(
@@ -152,7 +152,7 @@ class ConvUse(Use):
         """Per-sample ``||weight gradient||^2`` (without the bias'), the cheaper
         way, in chunks (Note [Convolution norms], Note [Bounded transients])."""
         (use,) = uses
-        w = use.weight.leaf
+        w = use.weight.value
         rows = use.images * math.prod(use.grad.shape[2:])
         in_f, out_f = w[0].numel(), w.shape[0] // use.groups
         budget = use.input.numel() + use.grad.numel()
@@ -175,7 +175,7 @@ class ConvUse(Use):
         in them; scaling the larger would copy it: small_cnn's first conv has
         12x more output gradient than input); g in place when ``writable`` (linear.py)."""
         (use,) = uses
-        w = use.weight.leaf.detach()
+        w = use.weight.value.detach()
         c = coef.to(use.grad.dtype)
         x, g = use.input, use.grad
         with_bias = bias is not None
@@ -205,7 +205,7 @@ class ConvUse(Use):
         (use,) = uses
         if use.groups != 1:
             return None
-        rows, w = use.images * math.prod(use.grad.shape[2:]), use.weight.leaf
+        rows, w = use.images * math.prod(use.grad.shape[2:]), use.weight.value
         return Factors(use.samples, rows, w.shape[0], w[0].numel(), False,
                        lambda s: (use.grads(s)[:, 0], use.patches(s)[:, 0]), rows * w[0].numel())
 

@@ -56,7 +56,7 @@ class EmbeddingUse(Use):
         idx, g = self.indices[s], self.grad[s]
         if self.scale_grad_by_freq:
             sample = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1)
-            keys = sample * self.weight.leaf.shape[0] + idx
+            keys = sample * self.weight.value.shape[0] + idx
             _, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
             g = g / counts[inverse].unsqueeze(-1).to(g.dtype)
         if self.padding_idx is not None:
@@ -68,7 +68,7 @@ class EmbeddingUse(Use):
         row's gradient (``scaled``)."""
         idx, g = self.scaled(slice(0, self.indices.shape[0]))
         sample = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1)
-        return (sample * self.weight.leaf.shape[0] + idx).flatten(), g.flatten(0, 1)
+        return (sample * self.weight.value.shape[0] + idx).flatten(), g.flatten(0, 1)
 
     def release(self) -> None:
         self.grad = self.indices = None  # type: ignore[assignment]
@@ -76,7 +76,7 @@ class EmbeddingUse(Use):
     def per_sample_grad(self, role: str) -> Tensor:
         keys, g = self.keys()
         batch = self.indices.shape[0]
-        vocab, dim = self.weight.leaf.shape
+        vocab, dim = self.weight.value.shape
         return g.new_zeros(batch * vocab, dim).index_add_(0, keys, g).view(batch, vocab, dim)
 
     @classmethod
@@ -122,7 +122,7 @@ class EmbeddingUse(Use):
         unique, inverse = torch.unique(keys, return_inverse=True)
         summed = g.new_zeros(unique.shape[0], g.shape[1]).index_add_(0, inverse, g)
         per_row = sq_norms(summed, 1)
-        vocab = uses[0].weight.leaf.shape[0]  # type: ignore[attr-defined]
+        vocab = uses[0].weight.value.shape[0]  # type: ignore[attr-defined]
         batch = uses[0].indices.shape[0]  # type: ignore[attr-defined]
         return per_row.new_zeros(batch).index_add_(0, unique // vocab, per_row)
 
@@ -131,7 +131,7 @@ class EmbeddingUse(Use):
                     owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
         """``sum_i c_i`` (table gradient of sample i) in one embedding_dense_backward."""
         keys, g = _all_keys(uses)
-        vocab = uses[0].weight.leaf.shape[0]  # type: ignore[attr-defined]
+        vocab = uses[0].weight.value.shape[0]  # type: ignore[attr-defined]
         c = coef.to(g.dtype)[keys // vocab].unsqueeze(1)
         return torch.ops.aten.embedding_dense_backward(g * c, keys % vocab, vocab, -1, False), None
 
@@ -139,7 +139,7 @@ class EmbeddingUse(Use):
     def factors(cls, uses: List[Use]) -> Factors:
         """In the layout ``[V, D]``: u = one-hot of the index (given as the
         indices), v = the row's gradient (``scaled``: at most a copy per chunk)."""
-        vocab, dim = uses[0].weight.leaf.shape  # type: ignore[attr-defined]
+        vocab, dim = uses[0].weight.value.shape  # type: ignore[attr-defined]
         shapes = [u.indices.shape for u in uses]  # type: ignore[attr-defined]
         batch, rows = shapes[0][0], sum(shape[1] for shape in shapes)
 

@@ -98,7 +98,7 @@ class LinearUse(Use):
         """``sum_i c_i g_i^T a_i`` in one GEMM, c folded into the narrower of a and
         g (into g in place when ``writable``); the bias' ``sum_i c_i sum_t g_i,t``
         in the same call when g is the one scaled, else one GEMV."""
-        w = uses[0].weight.leaf.detach()  # type: ignore[attr-defined]
+        w = uses[0].weight.value.detach()  # type: ignore[attr-defined]
         a, g = all_rows(uses)
         c = coef.to(g.dtype)
         grad_b = None
