@@ -13,6 +13,7 @@ import batchrules
 from batchrules.bench.case import Variant
 from batchrules.bench.memory import peak_extra_bytes
 from batchrules.bench.models import small_cnn
+from dp_reference import assert_close_rel, loop_clipped_grad
 
 BATCH = 16
 CPU = torch.device("cpu")
@@ -96,3 +97,53 @@ def test_peak_memory_near_the_non_private_step(model_name: str) -> None:
         v.fn()
     dp_peak, plain_peak = peak_extra_bytes(dp, CPU), peak_extra_bytes(plain, CPU)
     assert dp_peak <= 1.3 * plain_peak, (dp_peak, plain_peak)
+
+
+class _RmsScale(nn.Module):
+    """A hand-written RMSNorm: ``x * rsqrt(mean(x^2)) * weight``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+TOKENS, WIDTH = 8, 32
+NORMS = {"group_norm": lambda: nn.GroupNorm(4, TOKENS), "rms_norm": lambda: nn.RMSNorm(WIDTH),
+         "rms_scale": lambda: _RmsScale(WIDTH)}
+
+
+def norm_model(norm: str) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, WIDTH), NORMS[norm](), nn.Linear(WIDTH, WIDTH),
+                         nn.Flatten(-2), nn.Linear(TOKENS * WIDTH, 10))
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_norm_scales_take_no_copy_larger_than_the_parameter(norm: str, monkeypatch) -> None:
+    """GroupNorm, nn.RMSNorm and a hand-written RMS scale take the generic path: their
+    per-sample gradients are [B, C], and no tensor is larger than the largest activation
+    (no [B, *weight] of the linears, nor anything [B, T, *scale]-sized per parameter)."""
+    model = norm_model(norm)
+    x = torch.randn(BATCH, TOKENS, 16)
+    shapes = run(model, x, torch.randint(10, (BATCH,)), monkeypatch)
+    activation = BATCH * TOKENS * WIDTH
+    largest = max(s.numel() for s in shapes)
+    assert largest <= activation, (largest, activation)
+    scale = model[1].weight
+    assert (BATCH, *scale.shape) in shapes  # its per-sample gradient, of its own size
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_norm_scales_are_exact(norm: str) -> None:
+    model = norm_model(norm).double()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, y = torch.randn(BATCH, TOKENS, 16, dtype=torch.float64), torch.randint(10, (BATCH,))
+
+    def loss(p, xi, yi):
+        return F.cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    assert_close_rel(batchrules.clipped_grad(loss, 0.5)(params, x, y),
+                     loop_clipped_grad(loss, 0.5, (params, x, y)))

@@ -32,8 +32,10 @@ Layout: the infrastructure (``case``, ``runner``, ``timing``, ``check``,
 ``machine``, ``plot``, ``models``) at the top; ``scenarios/``, one module per
 workload declaring its cases and their targets; ``baselines/``, the
 hand-written limits and the Opacus variants. Also here: ``breakdown`` (where a
-vmapped step's time goes), ``compile_ops`` (extern vs decomposed ops under
-Inductor) and ``gpu_check`` (the one script for a GPU machine), each run with
+vmapped step's time goes), ``dp_overhead`` (clipped_grad's cost above the
+non-private step, per recorded layer and per parameter-free op),
+``compile_ops`` (extern vs decomposed ops under Inductor) and ``gpu_check``
+(the one script for a GPU machine), each run with
 ``python -m batchrules.bench.<name>``.
 
 Compiled twins: every case with ``--full`` or ``--compiled`` (never by default:

@@ -180,7 +180,7 @@ def physical(tape: Tape, x: Any) -> Optional[Tensor]:
     level = batched_level(x)
     if level == tape.level:
         value, bdim = unwrap_batched(x, level)
-        return value.movedim(bdim, 0)
+        return value if bdim == 0 else value.movedim(bdim, 0)
     if level == -1:
         return x.expand(tape.batch_size, *x.shape)
     return None

@@ -6,10 +6,10 @@ arguments unbatched: vmap passes them through unwrapped, so inside the
 vmapped function they are the very tensors clipped_grad passed in (leaves of
 a tensor subclass), and every call that takes one reaches the Interceptor
 (Note [Intercepting only the calls that take a parameter]). Rules (layers/)
-run linears, convolutions, embeddings and self-attention on
-the physical (batch-first) tensors with detached weights and record each
-call's input and an autograd edge of its output (tape.py); other calls get
-per-sample copies of the parameters they take. The backward is ONE
+run linears, convolutions, embeddings and self-attention on the physical
+(batch-first) tensors with detached weights and record each call's input
+and an autograd edge of its output (tape.py); other calls get per-sample
+copies of the parameters they take. The backward is ONE
 ``torch.autograd.grad`` of ``sum_i loss_i`` outside vmap, asked for the
 recorded outputs' gradients and the per-sample copies' gradients: samples are
 independent under vmap, so the gradient reaching sample i's rows of an
