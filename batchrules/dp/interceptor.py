@@ -11,8 +11,8 @@ A TorchFunctionMode would also see those, at about 2 us each on CPU (Python
 dispatch), a cost that grew with the model's ops rather than its layers. The
 price: a rule can only intercept calls that take a parameter (a layer rule's
 weight, BatchNorm's affine parameters), and a BatchNorm in training mode
-without affine parameters is refused by vmap itself (its message names the
-running statistics) rather than by clipped_grad.
+without affine parameters is refused by torch's own checks under vmap (as
+under ``vmap(grad)``) rather than by clipped_grad's message.
 """
 import threading
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
