@@ -3,11 +3,9 @@ and its parameters (vmap's own errors there name neither).
 """
 from typing import Any, Dict, Tuple
 
-import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
-from ..._compat import batched_level
 from ..rule import NOT_HANDLED, Rule, bind, register
 from ..tape import Tape
 
@@ -22,10 +20,11 @@ def _params(tape: Tape, items: Any) -> str:
 
 @register
 class BatchNormTrainingRule(Rule):
-    """``F.batch_norm(training=True)`` with running statistics on per-sample
-    inputs: its statistics and their update mix the samples of the batch. The
-    running statistics stay untouched (nn.BatchNorm has already counted the
-    batch in ``num_batches_tracked``, as under vmap(grad))."""
+    """``F.batch_norm(training=True)`` with running statistics and affine
+    parameters (the calls a rule sees: Note [Intercepting only the calls that
+    take a parameter]): its statistics and their update mix the samples of
+    the batch. The running statistics stay untouched (nn.BatchNorm has
+    already counted the batch in ``num_batches_tracked``, as under vmap(grad))."""
 
     functions = (F.batch_norm,)
 
@@ -36,12 +35,11 @@ class BatchNormTrainingRule(Rule):
             return NOT_HANDLED
         x, mean, var, w, b, training = bound[:6]
         params = _params(tape, (w, b))
-        if not training or (mean is None and var is None) or not (
-                params or (isinstance(x, torch.Tensor) and batched_level(x) == tape.level)):
+        if not training or (mean is None and var is None) or not params:
             return NOT_HANDLED  # eval mode, or per-sample statistics only: vmap runs it
         raise RuntimeError(
-            f"clipped_grad: a BatchNorm in training mode (F.batch_norm with running statistics"
-            f"{', parameters ' + params if params else ''}) on per-sample input of shape "
+            f"clipped_grad: a BatchNorm in training mode (F.batch_norm with running statistics, "
+            f"parameters {params}) on per-sample input of shape "
             f"{tuple(x.shape)}: its statistics mix the samples of a batch, so per-sample "
             "gradients are not defined, and its running statistics would be updated per sample. "
             "Call model.eval(), use GroupNorm or LayerNorm, or track_running_stats=False")
