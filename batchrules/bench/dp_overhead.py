@@ -18,7 +18,7 @@ recording, norm and clipped sum) and per parameter-free op (over L*K at fixed
 L), next to what vmap itself adds per op over eager code (the vmap forward
 minus the eager forward), which any per-sample transform pays. The fixed
 part is the intercept at L = 0. Small layers keep the GEMMs out of the
-picture; README's "Cost" line quotes this tool's output.
+picture; the README's "What to expect" quotes this tool's output.
 """
 import argparse
 from dataclasses import dataclass
