@@ -29,26 +29,26 @@ def routed() -> Iterator[None]:
         yield
 
 
+def _make(classes: Tuple[type, type, type], kind: str, dtype: torch.dtype,
+          options: Any) -> nn.Module:
+    lstm, gru, rnn = classes
+    if kind == "lstm":
+        module = lstm(IN, HIDDEN, **options)
+    elif kind == "gru":
+        module = gru(IN, HIDDEN, **options)
+    else:
+        module = rnn(IN, HIDDEN, nonlinearity=kind.split("_")[1], **options)
+    return module.to(dtype)
+
+
 def make_rnn(kind: str, dtype: torch.dtype = torch.float64, **options: Any) -> nn.Module:
     """nn.LSTM / nn.GRU / nn.RNN (tanh or relu) of input IN and hidden HIDDEN."""
-    if kind == "lstm":
-        module = nn.LSTM(IN, HIDDEN, **options)
-    elif kind == "gru":
-        module = nn.GRU(IN, HIDDEN, **options)
-    else:
-        module = nn.RNN(IN, HIDDEN, nonlinearity=kind.split("_")[1], **options)
-    return module.to(dtype)
+    return _make((nn.LSTM, nn.GRU, nn.RNN), kind, dtype, options)
 
 
 def make_cell(kind: str, dtype: torch.dtype = torch.float64, **options: Any) -> nn.Module:
     """nn.LSTMCell / nn.GRUCell / nn.RNNCell (tanh or relu)."""
-    if kind == "lstm":
-        module = nn.LSTMCell(IN, HIDDEN, **options)
-    elif kind == "gru":
-        module = nn.GRUCell(IN, HIDDEN, **options)
-    else:
-        module = nn.RNNCell(IN, HIDDEN, nonlinearity=kind.split("_")[1], **options)
-    return module.to(dtype)
+    return _make((nn.LSTMCell, nn.GRUCell, nn.RNNCell), kind, dtype, options)
 
 
 def batched(shape: Sequence[int], bdim: Optional[int],
