@@ -111,7 +111,7 @@ def _dp_setup(model: nn.Module, x: Tensor, y: Tensor,
     variants = [
         Variant("stock", vmap_clip, routing=False, user_code=True),
         Variant("batchrules", vmap_clip, routing=True, user_code=True),
-        # No compiled twin: dynamo cannot trace clipped_grad's TorchFunctionMode,
+        # No compiled twin: dynamo cannot trace clipped_grad's interception,
         # so under torch.compile it runs eagerly (a graph break; fullgraph fails).
         Variant("clipped_grad", transform),
         Variant("nonprivate", nonprivate, reference=lambda: summed_reference(model, x, y)),

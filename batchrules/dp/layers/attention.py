@@ -1,8 +1,8 @@
 """Self-attention (nn.MultiheadAttention, hence nn.TransformerEncoderLayer) under clipped_grad.
 
 Note [Decomposing multi-head attention]
-``F.multi_head_attention_forward`` is one Python function to the mode: its
-in- and out-projections are linears the mode never sees, so the generic path
+``F.multi_head_attention_forward`` is one call to the Interceptor: its in-
+and out-projections are linears it never sees, so the generic path
 would hand it per-sample copies of both projection weights ([B, 3E, E] and
 [B, E, E] gradients). For the configuration transformer layers use (self-
 attention with packed projections, no bias_k/bias_v/zero-attention, no
