@@ -15,8 +15,12 @@ RnnMode rnn_mode(int64_t mode) {
   return static_cast<RnnMode>(mode);
 }
 
-Tensor& tanh_in_place(Tensor& t) {
-  return t.mul_(2).sigmoid_().mul_(2).sub_(1);
+Tensor& tanh_in_place(Tensor& t, const Tensor& one) {
+  return t.add_(t).sigmoid_().add_(t).sub_(one);
+}
+
+Tensor one_like(const Tensor& t) {
+  return at::ones({}, t.options());
 }
 
 Tensor tanh_of(const Tensor& t) {

@@ -20,6 +20,7 @@ namespace {
 
 struct Buffers {
   Tensor output, workspace, gates, scratch;
+  Tensor one;  // See Note [tanh as a sigmoid]
 };
 
 // i,f,g,o,c (+ h before the projection) into the workspace row; h into out_t.
@@ -32,17 +33,18 @@ void lstm_step(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& c,
   if (bias.defined()) {
     b.gates.add_(bias);
   }
-  b.gates.narrow(-1, 2 * H, H).mul_(2);
+  Tensor g_pre = b.gates.narrow(-1, 2 * H, H);
+  g_pre.add_(g_pre);
   Tensor ws = b.workspace.select(0, t);
   Tensor act = ws.narrow(-1, 0, 4 * H);
   at::sigmoid_out(act, b.gates);
   Tensor g = act.narrow(-1, 2 * H, H);
-  g.mul_(2).sub_(1);
+  g.add_(g).sub_(b.one);
   Tensor c_new = ws.narrow(-1, 4 * H, H);
   at::mul_out(c_new, act.narrow(-1, H, H), c);      // f c
   c_new.addcmul_(act.narrow(-1, 0, H), g);          // + i g
-  at::mul_out(b.scratch, c_new, 2);
-  b.scratch.sigmoid_().mul_(2).sub_(1);              // tanh(c')
+  at::add_out(b.scratch, c_new, c_new);
+  b.scratch.sigmoid_().add_(b.scratch).sub_(b.one);  // tanh(c')
   Tensor out_t = b.output.select(0, t);
   if (!w_hr_t.defined()) {
     at::mul_out(out_t, act.narrow(-1, 3 * H, H), b.scratch);
@@ -69,7 +71,7 @@ void gru_step(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& bias
   Tensor hn = ws.narrow(-1, 3 * H, H);
   hn.copy_(b.gates.narrow(-1, 2 * H, H));
   at::mul_out(n, rz.narrow(-1, 0, H), hn);
-  tanh_in_place(n.add_(x_t.narrow(-1, 2 * H, H)));
+  tanh_in_place(n.add_(x_t.narrow(-1, 2 * H, H)), b.one);
   Tensor out_t = b.output.select(0, t);  // n + z (h - n)
   at::sub_out(out_t, h, n);
   out_t.mul_(rz.narrow(-1, H, H)).add_(n);
@@ -82,7 +84,7 @@ void rnn_step(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& bias
   if (bias.defined()) {
     out_t.add_(bias);
   }
-  mode == RnnMode::RnnTanh ? tanh_in_place(out_t) : out_t.relu_();
+  mode == RnnMode::RnnTanh ? tanh_in_place(out_t, b.one) : out_t.relu_();
 }
 
 }  // namespace
@@ -100,6 +102,7 @@ RecurrenceOutputs recurrence_forward_kernel(const Tensor& input_gates, const Ten
   b.workspace = at::empty({T, E, N, workspace_width(mode, H, w_hr.defined())}, options);
   b.gates = at::empty({E, N, GH}, options);
   b.scratch = at::empty({E, N, H}, options);
+  b.one = one_like(b.scratch);
   const Tensor w_hh_t = w_hh.transpose(1, 2);                          // E,P,GH
   const Tensor w_hr_t = w_hr.defined() ? w_hr.transpose(1, 2) : w_hr;  // E,H,P
   const bool gru = mode == RnnMode::Gru;

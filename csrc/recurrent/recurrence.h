@@ -44,9 +44,13 @@ Tensor previous_states(const Tensor& initial, const Tensor& seq, bool reverse);
 // its tanh is ~9x slower per element (AVX512 builds of torch 2.13), and the
 // recurrence kernels evaluate tanh on every step; the three cheap ops cost a
 // fraction of it (an absolute error of a few ulps of 1, none near 0 relative
-// to the tolerance of the gates).
-Tensor& tanh_in_place(Tensor& t);
+// to the tolerance of the gates). The kernels write it without Scalar
+// operands: aten wraps a Scalar as a double tensor and converts it on every
+// call (~1 µs, several times a step), so 2x is x + x and the 1 is `one`, a
+// 0-dim tensor of t's dtype.
+Tensor& tanh_in_place(Tensor& t, const Tensor& one);
 Tensor tanh_of(const Tensor& t);
+Tensor one_like(const Tensor& t);  // 0-dim 1 of t's dtype and device
 int64_t gate_count(RnnMode mode);
 // Width of a step's saved state in the workspace (see recurrence_forward).
 int64_t workspace_width(RnnMode mode, int64_t hidden, bool projected);
