@@ -4,7 +4,7 @@ transposed weight, as transformers' GPT-2 ``Conv1D`` computes
 
 Sample i's weight gradient is ``a_i^T g_i``, the transpose of a linear's, so
 the norms are the linear's (linear.py); the clipped sum ``sum_i c_i a_i^T g_i``
-is one GEMM in the weight's layout, with c folded into g.
+is one GEMM in the weight's layout (gemm.py).
 """
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..gemm import clipped_gemm
 from ..rule import NOT_HANDLED, Factors, Use, batched, bind, physical, register
 from ..tape import Param, Tape, tap, weight_for
 from .linear import LinearUse, all_rows, shared_bias, writable
@@ -58,13 +59,13 @@ class AddmmUse(LinearUse):
     @classmethod
     def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
                     owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
-        """``sum_i c_i a_i^T g_i`` and the bias' ``sum_i c_i sum_t g_i,t``, c
-        folded into g (in place when ``writable``)."""
+        """``sum_i c_i a_i^T g_i`` in one GEMM (gemm.py) and the bias'
+        ``sum_i c_i sum_t g_i,t``, one GEMV."""
         a, g = all_rows(uses)
-        c = coef.to(g.dtype).view(-1, 1, 1)
-        g = g.mul_(c) if len(uses) > 1 or writable(g, owned) else g * c
-        grad_w = torch.mm(a.flatten(0, 1).t(), g.flatten(0, 1))
-        return grad_w, g.sum((0, 1)) if bias is not None else None
+        c = coef.to(g.dtype)
+        grad_b = torch.mv(g.sum(1).t(), c) if bias is not None else None
+        in_place = len(uses) > 1 or writable(g, owned)  # several uses: g is a concatenated copy
+        return clipped_gemm(a, g, c, (False, in_place)), grad_b
 
     @classmethod
     def factors(cls, uses: List[Use]) -> Factors:

@@ -4,8 +4,8 @@ Sample i's rows ``a_i: [T, I]`` (one row, or a sequence) and output gradients
 ``g_i: [T, O]`` give its weight gradient ``g_i^T a_i`` and bias gradient
 ``sum_t g_i,t``. The norms come from (a, g) without the [O, I] per-sample
 matrix where that is cheaper (cost.py); the clipped sum ``sum_i c_i g_i^T a_i``
-is one ``batchrules.linear_backward`` GEMM over all rows with c folded into g
-(or into a, when it is the narrower operand and no bias shares the call).
+is one GEMM over all rows with c folded into the narrower of g and a
+(gemm.py).
 """
 import math
 from dataclasses import dataclass
@@ -17,12 +17,12 @@ from torch import Tensor
 
 from ..._compat import batched_level
 from ..cost import rows_norms_sq, sq_norms
+from ..gemm import clipped_gemm
 from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
 from ..rule import Factors
 from ..tape import Param, Tape, tap, weight_for
 
 _LINEAR_ARGS = (("input", "weight", "bias"), (None,))
-_LINEAR_BACKWARD = torch.ops.batchrules.linear_backward.default
 
 
 @register
@@ -95,25 +95,14 @@ class LinearUse(Use):
     @classmethod
     def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
                     owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
-        """``sum_i c_i g_i^T a_i`` in one GEMM, c folded into the narrower of a and
-        g (into g in place when ``writable``); the bias' ``sum_i c_i sum_t g_i,t``
-        in the same call when g is the one scaled, else one GEMV."""
-        w = uses[0].weight.value.detach()  # type: ignore[attr-defined]
+        """``sum_i c_i g_i^T a_i`` in one GEMM (gemm.py: c folded into the
+        narrower of a and g, into g in place when ``writable``) and the bias'
+        ``sum_i c_i sum_t g_i,t``, one GEMV."""
         a, g = all_rows(uses)
         c = coef.to(g.dtype)
-        grad_b = None
-        if a.shape[-1] < g.shape[-1]:
-            if bias is not None:
-                grad_b = torch.mv(g.sum(1).t(), c)
-            a, with_bias = a * c.view(-1, 1, 1), False
-        else:
-            in_place = len(uses) > 1 or writable(g, owned)  # several uses: g is a concatenated copy
-            g = g.mul_(c.view(-1, 1, 1)) if in_place else g * c.view(-1, 1, 1)
-            with_bias = bias is not None
-        _, grad_w, fused_b = _LINEAR_BACKWARD(a.reshape(-1, a.shape[-1]),
-                                              g.reshape(-1, g.shape[-1]), w,
-                                              [False, True, with_bias])
-        return grad_w, fused_b if with_bias else grad_b
+        grad_b = torch.mv(g.sum(1).t(), c) if bias is not None else None
+        in_place = len(uses) > 1 or writable(g, owned)  # several uses: g is a concatenated copy
+        return clipped_gemm(g, a, c, (in_place, False)), grad_b
 
     @classmethod
     def factors(cls, uses: List[Use]) -> Factors:

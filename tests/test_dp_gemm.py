@@ -1,0 +1,98 @@
+"""The clipped sums' GEMM (batchrules/dp/gemm.py, Note [oneDNN for the clipped sums]):
+which kernel runs, and that every way gives sum_i c_i x_i^T y_i."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import batchrules
+from batchrules.dp import gemm
+from dp_reference import loop_clipped_grad
+
+needs_onednn = pytest.mark.skipif(gemm._ONEDNN is None, reason="torch built without oneDNN")
+
+
+def reference(x, y, c):
+    return torch.einsum("b,btm,btn->mn", c.double(), x.double(), y.double())
+
+
+def operands(batch, rows, m, n, dtype=torch.float32):
+    g = torch.Generator().manual_seed(batch * 1000 + m + n)
+    return (torch.randn(batch, rows, m, generator=g, dtype=dtype),
+            torch.randn(batch, rows, n, generator=g, dtype=dtype),
+            torch.rand(batch, generator=g, dtype=dtype))
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    """Counts the oneDNN matmuls clipped_gemm makes."""
+    calls = []
+    if gemm._ONEDNN is not None:
+        real = gemm._ONEDNN
+
+        def counted(*args):
+            calls.append(args[0].shape)
+            return real(*args)
+
+        monkeypatch.setattr(gemm, "_ONEDNN", counted)
+    return calls
+
+
+@needs_onednn
+@pytest.mark.parametrize("m, n", [(512, 784), (784, 512), (64, 64)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_onednn_sum_equals_the_float64_sum(m, n, layout, onednn_calls) -> None:
+    x, y, c = operands(8, 32, m, n)
+    if layout == "transposed":  # the wider operand as a view with strided rows
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+        y = y.transpose(0, 1).contiguous().transpose(0, 1)
+    before = (x.clone(), y.clone())
+    got = gemm.clipped_gemm(x, y, c, (False, False))
+    assert got.shape == (m, n) and got.is_contiguous()
+    torch.testing.assert_close(got.double(), reference(x, y, c), rtol=1e-5, atol=1e-4)
+    assert torch.equal(x, before[0]) and torch.equal(y, before[1])  # nothing scaled in place
+    assert len(onednn_calls) == 1
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration")  # torch.backends.mkldnn.flags' own
+@pytest.mark.parametrize("case", ["float64", "small", "disabled", "expanded", "in_place_larger"])
+def test_other_cases_take_mm(case, onednn_calls) -> None:
+    """Exactly the cases Note [oneDNN for the clipped sums] gives to torch.mm."""
+    x, y, c = operands(4, 8, 16, 24) if case == "small" else operands(
+        8, 32, 512, 784, torch.float64 if case == "float64" else torch.float32)
+    if case == "expanded":  # the wider operand as the gradient of a sum: stride 0
+        y = torch.ones(1, 1, 784).expand(8, 32, 784)
+    writable = (case == "in_place_larger", False)
+    if case == "in_place_larger":  # a scaled copy larger than the result
+        x, y, c = operands(64, 64, 32, 48)
+    want = reference(x, y, c)
+    with torch.backends.mkldnn.flags(enabled=case != "disabled"):
+        got = gemm.clipped_gemm(x, y, c, writable)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5 if got.dtype == torch.float32 else 1e-12,
+                               atol=1e-4 if got.dtype == torch.float32 else 1e-12)
+    assert onednn_calls == []
+
+
+def test_empty_rows() -> None:
+    x, y, c = operands(0, 3, 512, 784)
+    assert torch.equal(gemm.clipped_gemm(x, y, c, (False, False)), torch.zeros(512, 784))
+
+
+@needs_onednn
+def test_clipped_grad_float32_mlp_on_onednn(onednn_calls) -> None:
+    """A float32 MLP wide enough for oneDNN: sums and norms against the float64 loop."""
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(256, 196, generator=g) / 14, "b1": torch.zeros(256),
+              "w2": torch.randn(10, 256, generator=g) / 16, "b2": torch.zeros(10)}
+    x, y = torch.randn(64, 196, generator=g), torch.randint(0, 10, (64,), generator=g)
+
+    def loss(p, xi, yi):
+        h = F.silu(F.linear(xi, p["w1"], p["b1"]))
+        return F.cross_entropy(F.linear(h, p["w2"], p["b2"]), yi)
+
+    sums, norms = batchrules.clipped_grad(loss, 0.5)(params, x, y)
+    want_sums, want_norms = loop_clipped_grad(
+        loss, 0.5, ({k: v.double() for k, v in params.items()}, x.double(), y))
+    assert onednn_calls  # w1's sum: 64 x 256 x 196 multiply-adds
+    torch.testing.assert_close(norms.double(), want_norms, rtol=1e-5, atol=1e-6)
+    for k in params:
+        torch.testing.assert_close(sums[k].double(), want_sums[k], rtol=1e-4, atol=1e-5)
