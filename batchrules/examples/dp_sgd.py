@@ -154,6 +154,7 @@ def dp_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Te
     noise only when given ``noise`` generators (one, or one per noise shard).
     ``all_reduce`` sums the noised sums over the ranks (one collective).
     Returns the per-sample norms."""
+    optimizer.zero_grad(set_to_none=True)  # the last step's gradients are not held during this one
     params = {k: p.detach() for k, p in model.named_parameters()}
     sums, norms = clipped_sums(model, params, x, y, config)
     if noise is not None:

@@ -52,6 +52,7 @@ def fsdp_step(model: nn.Module, arch: nn.Module, optimizer: torch.optim.Optimize
     """One DP-SGD step of a ``fully_shard``-ed model on this rank's share
     ``(x, y)``; ``arch``: the model's architecture (e.g. on the meta device),
     for ``functional_call``. Returns this rank's per-sample norms."""
+    optimizer.zero_grad(set_to_none=True)  # the last step's shards are not held during this one
     with unsharded(model) as params:
         sums, norms = clipped_sums(arch, params, x, y, config)
     shards = reduce_scatter_flat(sums, dict(model.named_parameters()))
