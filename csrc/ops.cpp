@@ -78,16 +78,17 @@ TORCH_LIBRARY(batchrules, m) {
       "int mode, bool reverse) -> (Tensor grad_input_gates, Tensor grad_hidden_gates, "
       "Tensor grad_h0, Tensor grad_c0, Tensor grad_projected)");
   // One LSTM layer and direction as oneDNN's fused CPU layer, time-major
-  // input [T, N, I], float32; workspace is oneDNN's (bytes). Its backward
-  // is oneDNN's fused one (weight gradients summed over the rows).
+  // input [T, N, I], float32; workspace is oneDNN's (bytes), one per fused
+  // call (Note [The fused layer's workspace list], recurrent/batched_kernel.cpp).
+  // Its backward is oneDNN's fused one (weight gradients summed over the rows).
   m.def(
       "fused_lstm_layer(Tensor input, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, "
       "Tensor h0, Tensor c0, bool reverse) -> (Tensor output, Tensor h_n, Tensor c_n, "
-      "Tensor workspace)");
+      "Tensor[] workspace)");
   m.def(
       "fused_lstm_layer_backward(Tensor input, Tensor w_ih, Tensor w_hh, Tensor? b_ih, "
       "Tensor? b_hh, Tensor h0, Tensor c0, Tensor output, Tensor h_n, Tensor c_n, "
-      "Tensor? grad_output, Tensor? grad_h_n, Tensor? grad_c_n, Tensor workspace, bool reverse) "
+      "Tensor? grad_output, Tensor? grad_h_n, Tensor? grad_c_n, Tensor[] workspace, bool reverse) "
       "-> (Tensor grad_input, Tensor grad_w_ih, Tensor grad_w_hh, Tensor grad_b_ih, "
       "Tensor grad_b_hh, Tensor grad_h0, Tensor grad_c0)");
   // Each activation: <name>(self) and <name>_backward(grad_output, self),

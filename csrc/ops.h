@@ -13,6 +13,7 @@
 #include <array>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace batchrules {
 
@@ -46,15 +47,17 @@ using RnnRecurrenceBackwardSig = RecurrenceGradsResult(
 const c10::TypedOperatorHandle<RnnRecurrenceSig>& rnn_recurrence_op();
 const c10::TypedOperatorHandle<RnnRecurrenceBackwardSig>& rnn_recurrence_backward_op();
 
-// oneDNN's LSTM layer with its own fused backward (recurrent/fused_lstm_kernel.cpp).
-using FusedLstmSig = RecurrenceResult(const Tensor&, const Tensor&, const Tensor&,
-                                      const OptTensor&, const OptTensor&, const Tensor&,
-                                      const Tensor&, bool);
+// oneDNN's LSTM layer with its own fused backward (recurrent/fused_lstm_kernel.cpp);
+// its workspace is a list, one per fused call.
+using FusedLstmResult = std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>>;
+using FusedLstmSig = FusedLstmResult(const Tensor&, const Tensor&, const Tensor&,
+                                     const OptTensor&, const OptTensor&, const Tensor&,
+                                     const Tensor&, bool);
 using FusedLstmGradsResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 using FusedLstmBackwardSig = FusedLstmGradsResult(
     const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&, const Tensor&,
     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
-    const OptTensor&, const Tensor&, bool);
+    const OptTensor&, at::TensorList, bool);
 
 const c10::TypedOperatorHandle<FusedLstmSig>& fused_lstm_layer_op();
 const c10::TypedOperatorHandle<FusedLstmBackwardSig>& fused_lstm_layer_backward_op();

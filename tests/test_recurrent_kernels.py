@@ -51,6 +51,40 @@ def test_ensemble_training(rows: int, kernel: str) -> None:
         torch.testing.assert_close(summed[k], want[k], rtol=1e-4, atol=1e-5)
 
 
+def test_nested_ensembles_split_the_workspace_list_per_level() -> None:
+    # Note [The fused layer's workspace list]: 2 x 3 members, one fused call
+    # each; each level's backward rule hands each member its part of the list.
+    models = [nn.LSTM(3, 4, batch_first=True) for _ in range(6)]
+    stacked, _ = stack_module_state(models)
+    params = {k: v.detach().unflatten(0, (2, 3)) for k, v in stacked.items()}
+    x = torch.randn(10, 5, 3)
+    per_member = vmap(vmap(grad(lambda p: loss(models[0], p, x))))
+    got, names = ran(lambda: per_member(params))
+    assert TRAINING in names and RECURRENCE not in names
+    want = member_grads(models, x)
+    for k in want:
+        torch.testing.assert_close(got[k].flatten(0, 1), want[k], rtol=1e-4, atol=1e-5)
+
+
+def test_cotangents_batched_alone_share_the_workspace() -> None:
+    # vmap over a vjp's cotangents: the forward ran once, unbatched, so every
+    # cotangent's backward reads that one call's workspace.
+    model = nn.LSTM(3, 4, batch_first=True)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, cotangents = torch.randn(10, 5, 3), torch.randn(3, 10, 5, 4)
+
+    def vjps():
+        _, pullback = torch.func.vjp(lambda p: functional_call(model, p, (x,))[0], params)
+        return vmap(pullback)(cotangents)[0]
+
+    got, names = ran(vjps)
+    assert TRAINING in names and RECURRENCE not in names
+    for i, v in enumerate(cotangents):
+        want = torch.autograd.grad(model(x)[0], list(model.parameters()), v)
+        for k, w in zip(params, want):
+            torch.testing.assert_close(got[k][i], w, rtol=1e-4, atol=1e-5)
+
+
 def test_per_sample_gradients_take_the_recurrence() -> None:
     # oneDNN's backward sums weight gradients over its rows: per-sample ones need
     # the recurrence, whose weight gradients are one bmm per sample.

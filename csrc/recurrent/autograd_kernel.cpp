@@ -109,10 +109,10 @@ RecurrenceGradsResult rnn_recurrence_backward_autograd(
   return result;
 }
 
-RecurrenceResult fused_lstm_layer_autograd(c10::DispatchKeySet ks, const Tensor& input,
-                                           const Tensor& w_ih, const Tensor& w_hh,
-                                           const OptTensor& b_ih, const OptTensor& b_hh,
-                                           const Tensor& h0, const Tensor& c0, bool reverse) {
+FusedLstmResult fused_lstm_layer_autograd(c10::DispatchKeySet ks, const Tensor& input,
+                                          const Tensor& w_ih, const Tensor& w_hh,
+                                          const OptTensor& b_ih, const OptTensor& b_hh,
+                                          const Tensor& h0, const Tensor& c0, bool reverse) {
   const Tensor bi = value(b_ih), bh = value(b_hh);
   TORCH_CHECK(!any_tangent(input, w_ih, w_hh, bi, bh, h0, c0),
               "batchrules.fused_lstm_layer: oneDNN's LSTM layer has no forward-mode derivative");
@@ -130,7 +130,7 @@ RecurrenceResult fused_lstm_layer_autograd(c10::DispatchKeySet ks, const Tensor&
     grad_fn->c0_ = SavedVariable(c0, false);
     grad_fn->reverse_ = reverse;
   }
-  RecurrenceResult result;
+  FusedLstmResult result;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     result = fused_lstm_layer_op().redispatch(ks & c10::after_autograd_keyset, input, w_ih, w_hh,
@@ -142,7 +142,9 @@ RecurrenceResult fused_lstm_layer_autograd(c10::DispatchKeySet ks, const Tensor&
     grad_fn->output_ = SavedVariable(output, true);
     grad_fn->h_n_ = SavedVariable(h_n, true);
     grad_fn->c_n_ = SavedVariable(c_n, true);
-    grad_fn->workspace_ = SavedVariable(workspace, false);
+    for (const Tensor& w : workspace) {
+      grad_fn->workspace_.emplace_back(w, false);
+    }
   }
   return result;
 }
@@ -153,7 +155,7 @@ FusedLstmGradsResult fused_lstm_layer_backward_autograd(
     c10::DispatchKeySet ks, const Tensor& input, const Tensor& w_ih, const Tensor& w_hh,
     const OptTensor& b_ih, const OptTensor& b_hh, const Tensor& h0, const Tensor& c0,
     const Tensor& output, const Tensor& h_n, const Tensor& c_n, const OptTensor& grad_output,
-    const OptTensor& grad_h_n, const OptTensor& grad_c_n, const Tensor& workspace, bool reverse) {
+    const OptTensor& grad_h_n, const OptTensor& grad_c_n, at::TensorList workspace, bool reverse) {
   const Tensor bi = value(b_ih), bh = value(b_hh), go = value(grad_output);
   const Tensor ghn = value(grad_h_n), gcn = value(grad_c_n);
   FusedLstmGradsResult result;

@@ -105,10 +105,10 @@ variable_list RnnRecurrenceBackward0::differentiate_decomposition(const variable
 
 void FusedLstmLayerBackward0::release_variables() {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (auto* v : {&input_, &w_ih_, &w_hh_, &b_ih_, &b_hh_, &h0_, &c0_, &output_, &h_n_, &c_n_,
-                  &workspace_}) {
+  for (auto* v : {&input_, &w_ih_, &w_hh_, &b_ih_, &b_hh_, &h0_, &c0_, &output_, &h_n_, &c_n_}) {
     v->reset_data();
   }
+  workspace_.clear();
 }
 
 variable_list FusedLstmLayerBackward0::apply(variable_list&& grads) {
@@ -118,11 +118,15 @@ variable_list FusedLstmLayerBackward0::apply(variable_list&& grads) {
     return result;
   }
   const auto self = owning_ptr<torch::autograd::Node>(this);
+  std::vector<Tensor> workspace;
+  for (const auto& w : workspace_) {
+    workspace.push_back(w.unpack());
+  }
   auto [dx, dw_ih, dw_hh, db_ih, db_hh, dh0, dc0] = fused_lstm_layer_backward_op().call(
       input_.unpack(), w_ih_.unpack(), w_hh_.unpack(), maybe_defined(b_ih_.unpack()),
       maybe_defined(b_hh_.unpack()), h0_.unpack(), c0_.unpack(), output_.unpack(self),
       h_n_.unpack(self), c_n_.unpack(self), maybe_defined(grads[0]), maybe_defined(grads[1]),
-      maybe_defined(grads[2]), workspace_.unpack(), reverse_);
+      maybe_defined(grads[2]), workspace, reverse_);
   const std::array<Tensor, 7> all = {dx, dw_ih, dw_hh, db_ih, db_hh, dh0, dc0};
   for (size_t i = 0; i < all.size(); ++i) {
     if (task_should_compute_output(i)) {

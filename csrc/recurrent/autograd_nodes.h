@@ -6,6 +6,8 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
+#include <vector>
+
 namespace batchrules {
 
 // Backward of rnn_recurrence(input_gates, h0, c0, w_hh, b_hh, w_hr): one
@@ -38,7 +40,8 @@ struct FusedLstmLayerBackward0 : public torch::autograd::Node {
   void release_variables() override;
 
   torch::autograd::SavedVariable input_, w_ih_, w_hh_, b_ih_, b_hh_, h0_, c0_;
-  torch::autograd::SavedVariable output_, h_n_, c_n_, workspace_;
+  torch::autograd::SavedVariable output_, h_n_, c_n_;
+  std::vector<torch::autograd::SavedVariable> workspace_;
   bool reverse_ = false;
 };
 

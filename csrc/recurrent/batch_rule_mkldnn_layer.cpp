@@ -41,12 +41,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mkldnn_rnn_layer_batched(
       })) {
     inference.emplace();
   }
-  auto [out, h_n, c_n, workspace] =
-      batched_lstm_layer(ops, level, [&](const std::vector<Tensor>& a) -> std::array<Tensor, 4> {
-        auto [o, h, c, ws] = call(a[0], a[1], a[2], a[3], a[4], a[5], a[6]);
-        return {o, h, c, ws};
-      });
-  return {out, h_n, c_n, workspace};
+  BatchedLstmLayer r = batched_lstm_layer(ops, level, [&](const std::vector<Tensor>& a) {
+    auto [o, h, c, ws] = call(a[0], a[1], a[2], a[3], a[4], a[5], a[6]);
+    return LstmLayerCall{o, h, c, {ws}};
+  });
+  // aten's schema has one workspace: the folded call's, or the members' stacked
+  const Tensor workspace = r.folded || !r.workspaces[0].defined()
+                               ? r.workspaces[0]
+                               : wrap_at(at::stack(r.workspaces), 0, level);
+  return {r.output, r.h_n, r.c_n, workspace};
 }
 
 }  // namespace batchrules

@@ -26,7 +26,7 @@ Tensor unfold_rows(const Tensor& t, int64_t pos, int64_t batch) {
 
 std::vector<Tensor> per_example(
     const std::vector<BatchedResult>& operands, int64_t batch,
-    const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& call) {
+    const std::function<std::vector<Tensor>(const std::vector<Tensor>&, int64_t)>& call) {
   TORCH_CHECK(batch > 0, "batchrules: oneDNN's LSTM layer under vmap needs at least one example, "
               "but the vmap size is 0");
   std::vector<std::vector<Tensor>> slices;
@@ -37,7 +37,7 @@ std::vector<Tensor> per_example(
                      : bdim.has_value() ? t.select(*bdim, b).contiguous()
                                         : t.contiguous());
     }
-    auto outs = call(args);
+    auto outs = call(args, b);
     if (slices.empty()) {
       slices.resize(outs.size());
     }
@@ -52,9 +52,9 @@ std::vector<Tensor> per_example(
   return stacked;
 }
 
-std::array<Tensor, 4> batched_lstm_layer(
+BatchedLstmLayer batched_lstm_layer(
     const std::vector<BatchedResult>& operands, int64_t level,
-    const std::function<std::array<Tensor, 4>(const std::vector<Tensor>&)>& call) {
+    const std::function<LstmLayerCall(const std::vector<Tensor>&)>& call) {
   const int64_t batch = vmap_size_of(operands);
   const auto wrap = [level](const Tensor& t, int64_t bdim) {
     return t.defined() ? at::functorch::makeBatched(t, bdim, level) : t;
@@ -70,15 +70,18 @@ std::array<Tensor, 4> batched_lstm_layer(
     folded[0] = fold_rows(std::get<0>(operands[0]), std::get<1>(operands[0]), 1, batch);
     folded[5] = fold_rows(std::get<0>(operands[5]), std::get<1>(operands[5]), 0, batch);
     folded[6] = fold_rows(std::get<0>(operands[6]), std::get<1>(operands[6]), 0, batch);
-    auto [out, h_n, c_n, workspace] = call(folded);
-    return {wrap(unfold_rows(out, 1, batch), 1), wrap(unfold_rows(h_n, 0, batch), 0),
-            wrap(unfold_rows(c_n, 0, batch), 0), workspace};
+    LstmLayerCall r = call(folded);
+    return {wrap(unfold_rows(r.output, 1, batch), 1), wrap(unfold_rows(r.h_n, 0, batch), 0),
+            wrap(unfold_rows(r.c_n, 0, batch), 0), std::move(r.workspaces), /*folded=*/true};
   }
-  const auto outs = per_example(operands, batch, [&](const std::vector<Tensor>& args) {
-    const auto r = call(args);
-    return std::vector<Tensor>(r.begin(), r.end());
+  std::vector<Tensor> workspaces;
+  const auto outs = per_example(operands, batch, [&](const std::vector<Tensor>& args, int64_t) {
+    LstmLayerCall r = call(args);
+    workspaces.insert(workspaces.end(), r.workspaces.begin(), r.workspaces.end());
+    return std::vector<Tensor>{r.output, r.h_n, r.c_n};
   });
-  return {wrap(outs[0], 0), wrap(outs[1], 0), wrap(outs[2], 0), wrap(outs[3], 0)};
+  return {wrap(outs[0], 0), wrap(outs[1], 0), wrap(outs[2], 0), std::move(workspaces),
+          /*folded=*/false};
 }
 
 }  // namespace batchrules

@@ -25,20 +25,31 @@ Tensor fold_rows(const Tensor& t, std::optional<int64_t> bdim, int64_t pos, int6
 Tensor unfold_rows(const Tensor& t, int64_t pos, int64_t batch);
 
 // Calls `call` once per b in [0, batch) with each batched operand's slice b
-// (unbatched ones as they are), all contiguous; returns each output's slices
-// stacked along a new dim 0 (an undefined output stays undefined).
+// (unbatched ones as they are), all contiguous, and b; returns each output's
+// slices stacked along a new dim 0 (an undefined output stays undefined).
 std::vector<Tensor> per_example(
     const std::vector<BatchedResult>& operands, int64_t batch,
-    const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& call);
+    const std::function<std::vector<Tensor>(const std::vector<Tensor>&, int64_t)>& call);
+
+// One oneDNN layer call's results: output, h_n, c_n and its workspaces.
+struct LstmLayerCall {
+  Tensor output, h_n, c_n;
+  std::vector<Tensor> workspaces;
+};
 
 // A oneDNN LSTM layer under vmap at `level`: operands input [T, N, I],
 // w_ih, w_hh, b_ih, b_hh, h0 [N, H], c0 [N, H] (physical, with their bdims;
-// an absent bias undefined); `call` runs the layer on such physical operands
-// and returns output, h_n, c_n, workspace. Shared weights: one call over the
-// folded rows (the workspace then belongs to the folded call, unbatched);
-// batched weights: one call per member. Returns the outputs batched at `level`.
-std::array<Tensor, 4> batched_lstm_layer(
+// an absent bias undefined); `call` runs the layer on such physical operands.
+// Shared weights: one call over the folded rows; batched weights: one call
+// per member. Returns the outputs batched at `level` and every call's
+// workspaces, unbatched, in call order (`folded`: which of the two ran).
+struct BatchedLstmLayer {
+  Tensor output, h_n, c_n;
+  std::vector<Tensor> workspaces;
+  bool folded;
+};
+BatchedLstmLayer batched_lstm_layer(
     const std::vector<BatchedResult>& operands, int64_t level,
-    const std::function<std::array<Tensor, 4>(const std::vector<Tensor>&)>& call);
+    const std::function<LstmLayerCall(const std::vector<Tensor>&)>& call);
 
 }  // namespace batchrules

@@ -41,25 +41,29 @@ void check_fused_operands(const Tensor& input, const Tensor& w_hh, const OptTens
               w_hh.sizes());
 }
 
-RecurrenceResult fused_lstm_layer_cpu(const Tensor& input, const Tensor& w_ih, const Tensor& w_hh,
-                                      const OptTensor& b_ih, const OptTensor& b_hh,
-                                      const Tensor& h0, const Tensor& c0, bool reverse) {
+FusedLstmResult fused_lstm_layer_cpu(const Tensor& input, const Tensor& w_ih, const Tensor& w_hh,
+                                     const OptTensor& b_ih, const OptTensor& b_hh,
+                                     const Tensor& h0, const Tensor& c0, bool reverse) {
   check_fused_operands(input, w_hh, b_ih, b_hh);
   const at::AutoGradMode training(true);  // for the workspace the backward reads
-  return onednn_lstm_forward(input, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, /*train=*/true);
+  auto [out, h_n, c_n, workspace] =
+      onednn_lstm_forward(input, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, /*train=*/true);
+  return {out, h_n, c_n, {workspace}};
 }
 
 FusedLstmGradsResult fused_lstm_layer_backward_cpu(
     const Tensor& input, const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
     const OptTensor& b_hh, const Tensor& h0, const Tensor& c0, const Tensor& output,
     const Tensor& h_n, const Tensor& c_n, const OptTensor& grad_output, const OptTensor& grad_h_n,
-    const OptTensor& grad_c_n, const Tensor& workspace, bool reverse) {
+    const OptTensor& grad_c_n, at::TensorList workspace, bool reverse) {
   check_fused_operands(input, w_hh, b_ih, b_hh);
+  TORCH_INTERNAL_ASSERT(workspace.size() == 1, "batchrules.fused_lstm_layer_backward: one fused "
+                        "call's workspace expected, got ", workspace.size());
   const OneDnnBiases b = onednn_biases(b_ih, b_hh, w_hh);
   auto [dx, dw_ih, dw_hh, db_ih, db_hh, dh0, dc0] = at::mkldnn_rnn_layer_backward(
       input.contiguous(), w_ih, w_hh, b.ih, b.hh, h0.contiguous(), c0.contiguous(), output, h_n,
       c_n, grad_output, grad_h_n, grad_c_n, reverse, kOneDnnLstm, w_hh.size(1), 1, b.given,
-      /*train=*/true, /*bidirectional=*/false, {}, /*batch_first=*/false, workspace);
+      /*train=*/true, /*bidirectional=*/false, {}, /*batch_first=*/false, workspace[0]);
   if (!b.given) {
     return {dx, dw_ih, dw_hh, Tensor(), Tensor(), dh0, dc0};
   }

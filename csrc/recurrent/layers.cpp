@@ -57,7 +57,9 @@ RecurrenceResult onednn_lstm_layer(const Tensor& x, const Tensor& h0, const Tens
                                    const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
                                    const OptTensor& b_hh, bool reverse, const RnnOptions& o) {
   if (o.lstm_kernel == LstmKernel::OneDnnTraining) {
-    return fused_lstm_layer_op().call(x, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse);
+    auto [out, h_n, c_n, workspace] =
+        fused_lstm_layer_op().call(x, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse);
+    return {out, h_n, c_n, Tensor()};  // its workspace lives on in the autograd node only
   }
   return onednn_lstm_forward(x, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, o.train);
 }
