@@ -47,9 +47,10 @@ def clipped_gemm(x: Tensor, y: Tensor, c: Tensor, writable: Tuple[bool, bool]) -
         out = _ONEDNN(scaled.view(-1, batch * rows), wide_rows.t(), None, "none", [None], "")
         return out if scale_x else out.t().contiguous()
     c3 = c.view(-1, 1, 1)
-    narrow = narrow.mul_(c3) if in_place else narrow * c3
-    x, y = (narrow, wide) if scale_x else (wide, narrow)
-    return torch.mm(x.reshape(-1, m).t(), y.reshape(-1, n))
+    scaled_rows = (narrow.mul_(c3) if in_place else narrow * c3).reshape(batch * rows,
+                                                                          narrow.shape[-1])
+    return (torch.mm(scaled_rows.t(), wide_rows) if scale_x
+            else torch.mm(wide_rows.t(), scaled_rows))
 
 
 def _onednn_runs(narrow: Tensor, wide_rows: Tensor, macs: int, in_place: bool) -> bool:
