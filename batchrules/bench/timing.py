@@ -6,6 +6,13 @@ while and then variant B charges the drift to whichever ran during the busy
 spell. Here every repeat times one block of each variant back to back (the
 order rotates per repeat), so drift hits all variants alike, and the median
 over repeats discards the spells where a neighbour stole the cores.
+
+A block starts with one untimed call of its own variant. Timed straight after
+another variant's block, its first call would find that variant's leftovers
+in the caches and the allocator: after stock vmap(grad)'s 340 MB of
+per-sample gradients, clipped_grad's MLP step (dp_mlp/b128) took 6.95 ms
+against 5.5 ms after its own previous call, the non-private step 5.05 against
+4.6. A training loop runs each step after its own previous one.
 """
 import gc
 import statistics
@@ -48,8 +55,10 @@ class Stats:
 
 
 def time_block(variant: Variant, calls: int, sync: Callable[[], None]) -> float:
-    """Seconds per call over ``calls`` back-to-back calls of the variant."""
+    """Seconds per call over ``calls`` back-to-back calls of the variant,
+    after one untimed call (Note [Why interleave])."""
     with variant.context():
+        variant.fn()
         sync()
         start = time.perf_counter()
         for _ in range(calls):
