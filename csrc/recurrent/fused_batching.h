@@ -8,7 +8,6 @@
 
 #include "common/batching_utils.h"
 
-#include <array>
 #include <functional>
 #include <vector>
 
