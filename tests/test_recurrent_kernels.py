@@ -145,3 +145,10 @@ def test_fused_lstm_layer_contract() -> None:
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
     with pytest.raises(RuntimeError, match="float32 CPU input"):
         torch.ops.batchrules.fused_lstm_layer(x.double(), w_ih, w_hh, b_ih, b_hh, h0, c0, False)
+    # Note [The fused layer's workspace list]: one call's backward reads one entry
+    with torch.no_grad():
+        out, h_n, c_n, ws = torch.ops.batchrules.fused_lstm_layer(*args)
+    with pytest.raises(RuntimeError, match="workspace list of one fused_lstm_layer call .* 2 entries"):
+        torch.ops.batchrules.fused_lstm_layer_backward(
+            x.detach(), w_ih.detach(), w_hh.detach(), b_ih.detach(), b_hh.detach(), h0, c0, out,
+            h_n, c_n, torch.ones_like(out), None, None, ws + ws, True)

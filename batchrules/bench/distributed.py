@@ -9,9 +9,9 @@ Each rank (1 thread) holds the example's transformer (``examples/dp_sgd.py``,
 float32) and its share of a fixed batch; per wrapper it alternates the two
 steps (a barrier before each, so the ranks start together) and reports the
 median of each step's time and, from three more steps run under the
-profiler, the median of their peak memory (``memory.peak_extra_bytes``: torch's CPU allocator records
-under the profiler, tensor storage allocated beyond what was live before
-the step; not RSS).
+profiler, the median of their peak memory (``memory.peak_extra_bytes``:
+torch's CPU allocator records under the profiler, tensor storage allocated
+beyond what was live before the step; not RSS).
   DDP   non-private: zero_grad, ``loss.backward()`` through the DDP module,
         SGD step; DP: ``dp_step`` (clipped_grad, rank 0's noise, one
         ``all_reduce_flat``, SGD step).

@@ -2,14 +2,14 @@
 ``intercept`` uses.
 
 A ``Rule`` handles some torch functions when the loss calls them directly at
-clipped_grad's vmap level with a parameter among the arguments (interceptor.py). A layer rule is a ``Use``
-subclass: its ``intercept`` runs the call on physical tensors and records one
-instance, a use of its parameters, on the tape (tape.py); after the backward
-the class computes a weight's per-sample squared norms and clipped sum from
-its uses' recorded inputs and output gradients (clipping.py), or one use's
-per-sample gradient of a parameter when that is materialized. A rule without
-uses of its own (a composite that records other rules' uses, or a refusal)
-is a plain ``Rule``.
+clipped_grad's vmap level with a parameter among the arguments
+(interceptor.py). A layer rule is a ``Use`` subclass: its ``intercept`` runs
+the call on physical tensors and records one instance, a use of its
+parameters, on the tape (tape.py); after the backward the class computes a
+weight's per-sample squared norms and clipped sum from its uses' recorded
+inputs and output gradients (clipping.py), or one use's per-sample gradient of
+a parameter when that is materialized. A rule without uses of its own (a
+composite that records other rules' uses, or a refusal) is a plain ``Rule``.
 """
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, Type, TypeVar

@@ -142,9 +142,10 @@ FusedLstmGradsResult fused_lstm_layer_backward_batched(
   // See Note [The fused layer's workspace list].
   const int64_t part = per_member ? static_cast<int64_t>(workspace.size()) / batch
                                   : static_cast<int64_t>(workspace.size());
-  TORCH_INTERNAL_ASSERT(!per_member || part * batch == static_cast<int64_t>(workspace.size()),
-                        "batchrules.fused_lstm_layer_backward: ", workspace.size(),
-                        " workspaces for ", batch, " members");
+  TORCH_CHECK(!per_member || part * batch == static_cast<int64_t>(workspace.size()),
+              "batchrules.fused_lstm_layer_backward: expected the workspace list of the forward, "
+              "a multiple of the ", batch, " members' (batched weights), but got ",
+              workspace.size(), " entries");
   const auto outs = per_example(ops, batch, [&](const std::vector<Tensor>& a, int64_t b) {
     const at::TensorList mine = workspace.slice(per_member ? b * part : 0, part);
     auto [dx, dwi, dwh, dbi, dbh, dh, dc] = fused_lstm_layer_backward_op().call(

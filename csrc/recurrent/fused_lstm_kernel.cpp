@@ -57,8 +57,9 @@ FusedLstmGradsResult fused_lstm_layer_backward_cpu(
     const Tensor& h_n, const Tensor& c_n, const OptTensor& grad_output, const OptTensor& grad_h_n,
     const OptTensor& grad_c_n, at::TensorList workspace, bool reverse) {
   check_fused_operands(input, w_hh, b_ih, b_hh);
-  TORCH_INTERNAL_ASSERT(workspace.size() == 1, "batchrules.fused_lstm_layer_backward: one fused "
-                        "call's workspace expected, got ", workspace.size());
+  TORCH_CHECK(workspace.size() == 1, "batchrules.fused_lstm_layer_backward: expected the "
+              "workspace list of one fused_lstm_layer call (1 entry), but got ", workspace.size(),
+              " entries");
   const OneDnnBiases b = onednn_biases(b_ih, b_hh, w_hh);
   auto [dx, dw_ih, dw_hh, db_ih, db_hh, dh0, dc0] = at::mkldnn_rnn_layer_backward(
       input.contiguous(), w_ih, w_hh, b.ih, b.hh, h0.contiguous(), c0.contiguous(), output, h_n,

@@ -3,19 +3,19 @@ transposed weight, as transformers' GPT-2 ``Conv1D`` computes
 ``torch.addmm(bias, x.view(-1, nx), weight)``.
 
 Sample i's weight gradient is ``a_i^T g_i``, the transpose of a linear's, so
-the norms are the linear's (linear.py); the clipped sum ``sum_i c_i a_i^T g_i``
-is one GEMM in the weight's layout (gemm.py).
+the norms and the clipped sums are the linear's (linear.py), the weight's
+``sum_i c_i a_i^T g_i`` one GEMM in its own layout (gemm.py).
 """
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import Tensor
 
 from ..gemm import clipped_gemm
 from ..rule import NOT_HANDLED, Factors, Use, batched, bind, physical, register
-from ..tape import Param, Tape, tap, weight_for
-from .linear import LinearUse, all_rows, shared_bias, writable
+from ..tape import Tape, tap, weight_for
+from .linear import LinearUse, shared_bias
 
 
 @register
@@ -56,16 +56,10 @@ class AddmmUse(LinearUse):
         tape.record(use, (flat,), "addmm")
         return batched(tape, out.view(batch, rows, w.shape[1]))
 
-    @classmethod
-    def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
-                    owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
-        """``sum_i c_i a_i^T g_i`` in one GEMM (gemm.py) and the bias'
-        ``sum_i c_i sum_t g_i,t``, one GEMV."""
-        a, g = all_rows(uses)
-        c = coef.to(g.dtype)
-        grad_b = torch.mv(g.sum(1).t(), c) if bias is not None else None
-        in_place = len(uses) > 1 or writable(g, owned)  # several uses: g is a concatenated copy
-        return clipped_gemm(a, g, c, (False, in_place)), grad_b
+    @staticmethod
+    def weight_sum(a: Tensor, g: Tensor, c: Tensor, g_writable: bool) -> Tensor:
+        """``sum_i c_i a_i^T g_i`` in the weight's layout ``[I, O]`` (gemm.py)."""
+        return clipped_gemm(a, g, c, (False, g_writable))
 
     @classmethod
     def factors(cls, uses: List[Use]) -> Factors:

@@ -95,14 +95,19 @@ class LinearUse(Use):
     @classmethod
     def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
                     owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
-        """``sum_i c_i g_i^T a_i`` in one GEMM (gemm.py: c folded into the
+        """The weight's clipped sum in one GEMM (``weight_sum``; c folded into the
         narrower of a and g, into g in place when ``writable``) and the bias'
         ``sum_i c_i sum_t g_i,t``, one GEMV."""
         a, g = all_rows(uses)
         c = coef.to(g.dtype)
         grad_b = torch.mv(g.sum(1).t(), c) if bias is not None else None
         in_place = len(uses) > 1 or writable(g, owned)  # several uses: g is a concatenated copy
-        return clipped_gemm(g, a, c, (in_place, False)), grad_b
+        return cls.weight_sum(a, g, c, in_place), grad_b
+
+    @staticmethod
+    def weight_sum(a: Tensor, g: Tensor, c: Tensor, g_writable: bool) -> Tensor:
+        """``sum_i c_i g_i^T a_i`` in the weight's layout ``[O, I]`` (gemm.py)."""
+        return clipped_gemm(g, a, c, (g_writable, False))
 
     @classmethod
     def factors(cls, uses: List[Use]) -> Factors:
