@@ -16,6 +16,7 @@ from torch.func import functional_call
 import batchrules
 from batchrules.dp import clipping
 from batchrules.dp.cost import ghost_is_cheaper
+from batchrules.dp.layers import conv as conv_rule
 from dp_reference import assert_close_rel, loop_clipped_grad
 
 BATCH = 5
@@ -121,6 +122,27 @@ def test_conv(routing, kinds, name: str) -> None:
     check_model(make(), *data(*shape))
     conv_kinds = {k: v for k, v in kinds.items() if k.startswith("0.")}
     assert conv_kinds["0.weight"] == "conv"
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_few_output_positions_take_the_gemm(routing, kinds, monkeypatch, bias: bool) -> None:
+    """Note [Convolutions with few output positions]: a ResNet's last stages
+    (3x3, padding 1, on a 2x2 input; strided to 1x1) take the patches' GEMM."""
+    shapes = []
+    original = conv_rule.clipped_gemm
+
+    def counted(x, y, c, writable):
+        shapes.append((tuple(x.shape), tuple(y.shape)))
+        return original(x, y, c, writable)
+
+    monkeypatch.setattr(conv_rule, "clipped_gemm", counted)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=bias), nn.ReLU(),
+                          nn.Conv2d(8, 6, 3, stride=2, padding=1, bias=bias), nn.Flatten(),
+                          nn.Linear(6, 3))
+    check_model(model, *data(3, 2, 2))
+    # B,rows,O x B,rows,C*k: 4 output positions, then 1
+    assert sorted(shapes) == [((BATCH, 1, 6), (BATCH, 1, 72)), ((BATCH, 4, 8), (BATCH, 4, 27))]
+    assert kinds["0.weight"] == kinds["2.weight"] == "conv"
 
 
 def test_conv_unbatched_per_sample_input(routing) -> None:
