@@ -285,6 +285,60 @@ def test_clipped_grad_matches_materialized_reference(amp: Any) -> None:
     assert_matches(got, want, dtype)
 
 
+class Conv1D(nn.Module):
+    """transformers' GPT-2 ``Conv1D``: ``addmm(b, x, W)`` with ``W: [in, out]``."""
+
+    def __init__(self, nx: int, nf: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(0.3 * torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.randn(nf))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+
+# The second layer of each gets autocast's bfloat16 output of the first: a
+# float32 parameter and a low-precision input (Note [clipped_grad under autocast]).
+LOW_INPUT = {
+    "linear": (lambda: nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)), (4, 6), "linear"),
+    "addmm": (lambda: nn.Sequential(Conv1D(6, 8), nn.ReLU(), Conv1D(8, 3)), (4, 6), "addmm"),
+    "conv": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Conv2d(4, 3, 3)),
+             (2, 6, 6), "conv"),
+}
+
+
+@pytest.mark.parametrize("layers", list(LOW_INPUT))
+def test_clipped_grad_rules_take_low_precision_inputs(amp: Any, layers: str, monkeypatch) -> None:
+    """A rule's parameter stays float32 while its input comes in the low
+    precision: the rule runs (no per-sample copy of the weight), and the result
+    equals the materialized reference under the same autocast."""
+    from batchrules.dp import clipping
+    device, dtype = amp
+    make, shape, kind = LOW_INPUT[layers]
+    torch.manual_seed(0)
+    model = make().to(device)
+    p, x = params_of(model), data(device, 5, *shape)
+    kinds = {}
+    original = clipping.kind
+    monkeypatch.setattr(clipping, "kind",
+                        lambda param: kinds.setdefault(param.name, original(param)))
+
+    def loss(p: Dict[str, Tensor], xi: Tensor) -> Tensor:
+        return functional_call(model, p, (xi[None],)).float().square().sum()
+
+    def reference() -> Any:
+        per = vmap(grad(loss), in_dims=(None, 0))(p, x)
+        with torch.autocast(device, enabled=False):
+            norms = torch.cat([g.flatten(1) for g in per.values()], 1).norm(dim=1)
+            coef = (0.5 / (norms + 1e-6)).clamp(max=1.0)
+            return {k: torch.tensordot(coef, g, dims=1) for k, g in per.items()}, norms
+
+    got = run(amp, True, lambda: batchrules.clipped_grad(loss, 0.5)(p, x))
+    weights = {k: v for k, v in kinds.items() if k.endswith("weight']")}
+    assert len(weights) == 2 and set(weights.values()) == {kind}, kinds
+    assert_matches(got, run(amp, False, reference), dtype)
+
+
 class TinyLM(nn.Module):
     """Embedding, a pre-norm encoder layer (self-attention, LayerNorm) and a
     linear head: every dp rule's recorded input under autocast (bf16 rows from

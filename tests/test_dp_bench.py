@@ -88,3 +88,30 @@ def test_variant_reference_replaces_the_case_reference() -> None:
                       torch.device("cpu"), PLAN)
     assert result.variants["same"].check.ok and result.variants["own"].check.ok
     assert not result.variants["wrong"].check.ok
+
+
+def test_variant_tolerance_replaces_the_runners() -> None:
+    x = torch.randn(4, dtype=torch.float64)
+    off = x + 1e-2 * x.abs().max()
+
+    def build(device: torch.device) -> CaseSetup:
+        return CaseSetup([Variant("strict", lambda: off.float()),
+                          Variant("loose", lambda: off.float(), rtol=5e-2)], reference=lambda: x)
+
+    result = run_case(Case("unit", "s", "small", 0, "per-variant tolerances", build),
+                      torch.device("cpu"), PLAN)
+    assert not result.variants["strict"].check.ok and result.variants["loose"].check.ok
+
+
+def test_bf16_row_matches_its_references() -> None:
+    """The --full row dp_transformer_bf16: every variant (bf16 within its
+    tolerance) matches; the target exists where the machine has bf16 kernels."""
+    from batchrules.bench.scenarios import dp_bf16
+    (case,) = dp_bf16.cases("full")
+    assert dp_bf16.cases("quick") == []
+    result = run_case(case, torch.device("cpu"), PLAN)
+    assert set(result.variants) == {"clipped_grad", "clipped_grad_bf16", "nonprivate",
+                                    "nonprivate_bf16"}
+    for name, v in result.variants.items():
+        assert v.error is None and v.check.ok, (name, v.error, v.check)
+    assert bool(case.targets) == dp_bf16.has_bf16_kernels()

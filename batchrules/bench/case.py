@@ -27,7 +27,9 @@ class Variant:
     they would hand it to ``torch.compile``; the runner then adds a compiled
     twin ``<name>_compiled`` (See Note [Compiled twins] in ``compiled.py``).
     ``reference``: this variant's own float64 reference, for a variant that
-    computes something else than the case's (None: the case's).
+    computes something else than the case's (None: the case's). ``rtol``: the
+    check's tolerance where it is not the runner's (a step under bfloat16
+    autocast).
     """
 
     name: str
@@ -35,6 +37,7 @@ class Variant:
     routing: Optional[bool] = None
     user_code: bool = False
     reference: Optional[Callable[[], Any]] = None
+    rtol: Optional[float] = None
 
     def context(self) -> ContextManager[None]:
         """The routing state this variant is run (and profiled) under."""

@@ -189,3 +189,17 @@ def physical(tape: Tape, x: Any) -> Optional[Tensor]:
 def batched(tape: Tape, value: Tensor) -> Tensor:
     """A batch-first physical result, handed back to the loss as per-sample."""
     return add_batch_dim(value, 0, tape.level)
+
+
+def autocast_matches(x: Tensor, w: Tensor) -> bool:
+    """Whether a matmul-like op (linear, addmm, convolution: on autocast's
+    lower-precision list on CPU and CUDA) of ``x`` and the parameter ``w`` runs
+    as recorded: the same dtype, or both floating point under autocast, which
+    casts both (Note [clipped_grad under autocast] in transform.py)."""
+    if x.dtype == w.dtype:
+        return True
+    return ({x.dtype, w.dtype} <= _AUTOCAST_CASTS
+            and torch.is_autocast_enabled(x.device.type))
+
+
+_AUTOCAST_CASTS = {torch.float32, torch.float16, torch.bfloat16}  # not float64

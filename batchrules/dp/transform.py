@@ -297,12 +297,16 @@ def _check_loss(out: Any, has_aux: bool) -> None:
 
 # Note [clipped_grad under autocast]
 # Under torch.autocast a recorded output (a linear's, say) comes out in the low
-# precision, and so does its gradient, and a recorded input may be in either. The
-# gradients are cast to their parameter's dtype (and each use's ``set_grad``
-# brings its recorded inputs to that dtype too), and norms, clipping coefficients and clipped sums are then
-# formed with autocast off: in float32 for float32 parameters, as the
-# materialized reference (vmap(grad) + clip + sum) forms them from float32
-# per-sample gradients (autograd returns those in the parameter's dtype).
+# precision, and so does its gradient, and a recorded input may be in either.
+# The rules of autocast's lower-precision ops (linear, addmm, convolution) take
+# a low-precision input with a float32 parameter, as autocast does
+# (rule.autocast_matches); the generic path would copy the weight per sample.
+# The gradients are cast to their parameter's dtype (and each use's
+# ``set_grad`` brings its recorded inputs to that dtype too), and norms,
+# clipping coefficients and clipped sums are then formed with autocast off: in
+# float32 for float32 parameters, as the materialized reference (vmap(grad) +
+# clip + sum) forms them from float32 per-sample gradients (autograd returns
+# those in the parameter's dtype).
 def _autocast_off(params: List[Param]) -> Any:
     device = params[0].value.device.type if params else "cpu"
     if not torch.amp.is_autocast_available(device):

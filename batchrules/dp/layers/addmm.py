@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from ..gemm import clipped_gemm
-from ..rule import NOT_HANDLED, Factors, Use, batched, bind, physical, register
+from ..rule import (NOT_HANDLED, Factors, Use, autocast_matches, batched, bind, physical,
+                    register)
 from ..tape import Tape, tap, weight_for
 from .linear import LinearUse, shared_bias
 
@@ -41,7 +42,7 @@ class AddmmUse(LinearUse):
         a = physical(tape, x)
         weight, bias = tape.param(w), tape.param(b)
         if (weight is None or a is None or w.dim() != 2 or a.dim() != 3
-                or a.shape[-1] != w.shape[0] or a.dtype != w.dtype or a.device != w.device):
+                or a.shape[-1] != w.shape[0] or not autocast_matches(a, w) or a.device != w.device):
             return NOT_HANDLED
         if bias is not None:
             if b.shape != (w.shape[1],) or b.dtype != w.dtype:

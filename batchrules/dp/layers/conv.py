@@ -39,8 +39,7 @@ from torch import Tensor
 
 from ..cost import chunked, ghost_is_cheaper, pair_norms_sq, sq_norms, transient_per_sample
 from ..gemm import clipped_gemm
-from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
-from ..rule import Factors
+from ..rule import NOT_HANDLED, Factors, Use, autocast_matches, batched, bind, physical, register
 from ..tape import Param, Tape, tap, weight_for
 from .linear import shared_bias, writable
 
@@ -253,7 +252,7 @@ class ConvUse(Use):
                 f"per-sample shape {tuple(x.shape)} has {a.shape[-dims - 1]}")
         if (padding is None or per_sample_dims not in (dims + 1, dims + 2) or groups < 1
                 or a.shape[-dims - 1] != w.shape[1] * groups or w.shape[0] % groups
-                or a.dtype != w.dtype or a.device != w.device):
+                or not autocast_matches(a, w) or a.device != w.device):
             return NOT_HANDLED
         if bias is not None:
             if b.shape != (w.shape[0],) or b.dtype != w.dtype:

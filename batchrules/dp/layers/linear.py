@@ -18,8 +18,7 @@ from torch import Tensor
 from ..._compat import batched_level
 from ..cost import rows_norms_sq, sq_norms
 from ..gemm import clipped_gemm
-from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
-from ..rule import Factors
+from ..rule import NOT_HANDLED, Factors, Use, autocast_matches, batched, bind, physical, register
 from ..tape import Param, Tape, tap, weight_for
 
 _LINEAR_ARGS = (("input", "weight", "bias"), (None,))
@@ -143,7 +142,7 @@ def ghostable(tape: Tape, a: Optional[Tensor], w: Any, b: Any) -> bool:
     a tensor shared by all samples (anything else takes the generic path,
     whose op then reports mismatches in per-sample shapes)."""
     if (a is None or tape.param(w) is None or w.dim() != 2 or a.dim() < 2
-            or a.shape[-1] != w.shape[1] or a.dtype != w.dtype or a.device != w.device):
+            or a.shape[-1] != w.shape[1] or not autocast_matches(a, w) or a.device != w.device):
         return False
     if tape.param(b) is not None:
         return b.shape == (w.shape[0],) and b.dtype == w.dtype
