@@ -4,6 +4,7 @@ flattened), and ``all_reduce_flat`` itself."""
 import dataclasses
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -18,7 +19,7 @@ CONFIG = dp_sgd.DPConfig(steps=3, examples=40, sample_rate=0.1, noise_multiplier
                          model="transformer", dtype=torch.float64, physical_batch=2)
 
 
-def worker(rank: int, port: int, out_dir: str) -> None:
+def worker(rank: int, port: int, out_dir: str, noise_shards: int) -> None:
     dp_sgd_ranks._init(rank, WORLD, port)
     calls = []
     real = dist.all_reduce
@@ -37,17 +38,22 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     calls.clear()
     torch.manual_seed(100 + rank)  # ranks start different; DDP broadcasts rank 0's
     ddp = nn.parallel.DistributedDataParallel(dp_sgd.make_model(CONFIG))
-    model, _ = dp_sgd.train(CONFIG, ddp.module, rank, WORLD, all_reduce_flat)
+    config = dataclasses.replace(CONFIG, noise_shards=noise_shards)
+    model, _ = dp_sgd.train(config, ddp.module, rank, WORLD, all_reduce_flat)
     n_params = sum(p.numel() for p in model.parameters())
     assert calls == [n_params] * CONFIG.steps, calls
     torch.save(model.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
     dp_sgd_ranks._finish()
 
 
-def test_ddp_transformer_matches_one_process(tmp_path) -> None:
-    spawn(worker, str(tmp_path))
-    start = dp_sgd.make_model(CONFIG).state_dict()
-    want = dp_sgd.train(CONFIG)[0].state_dict()
+@pytest.mark.parametrize("noise_shards", [1, WORLD], ids=["rank0_noise", "each_rank_its_shard"])
+def test_ddp_transformer_matches_one_process(tmp_path, noise_shards: int) -> None:
+    """Rank 0 adds all the noise, or each rank its dim-0 shard's: one
+    process drawing the same shards gives the same parameters."""
+    spawn(worker, str(tmp_path), noise_shards)
+    config = dataclasses.replace(CONFIG, noise_shards=noise_shards)
+    start = dp_sgd.make_model(config).state_dict()
+    want = dp_sgd.train(config)[0].state_dict()
     assert not any(torch.equal(want[k], start[k]) for k in want)  # every tensor moved
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"rank{rank}.pt")
@@ -58,7 +64,7 @@ def test_ddp_transformer_matches_one_process(tmp_path) -> None:
 def test_ddp_example_matches_one_process() -> None:
     # the example's own DDP runner, on the MLP, without chunks
     config = dataclasses.replace(CONFIG, model="mlp", physical_batch=None)
-    want = dp_sgd.train(config)[0].state_dict()
+    want = dp_sgd.train(dataclasses.replace(config, noise_shards=WORLD))[0].state_dict()
     for state in dp_sgd_ranks.train_ddp(config, WORLD, timeout_s=DEADLINE_S):
         for k in want:
             torch.testing.assert_close(state[k], want[k], rtol=1e-10, atol=1e-10)

@@ -72,7 +72,8 @@ def test_main_prints_progress_and_epsilon(capsys) -> None:
                     reason="torch.distributed with gloo is not available")
 def test_ddp_matches_one_process() -> None:
     # q*N = 2.4: some ranks' shares are empty in some steps
-    config = dataclasses.replace(CONFIG, sample_rate=0.05)
+    # train_ddp: each rank adds its shard's noise, as one process with noise_shards=2
+    config = dataclasses.replace(CONFIG, sample_rate=0.05, noise_shards=2)
     start = dp_sgd.make_model(config).state_dict()
     model, _ = dp_sgd.train(config)
     want = model.state_dict()
@@ -80,3 +81,17 @@ def test_ddp_matches_one_process() -> None:
     for state in dp_sgd_ranks.train_ddp(config, world=2, timeout_s=240):
         for k in want:
             torch.testing.assert_close(state[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_sharded_noise_adds_up_to_one_draw() -> None:
+    """``add_noise_``: the shards' noise, each added by its own generator to
+    its rows (a DDP rank's share), is the noise of one process drawing all
+    shards; a 0-dim tensor's is added once, by shard 0."""
+    config = dataclasses.replace(CONFIG, noise_shards=3)
+    for shape in [(7, 2), (2, 4), ()]:
+        want = dp_sgd.add_noise_(torch.zeros(shape), config,
+                                 dp_sgd.noise_generators(config, range(3)))
+        got = torch.zeros(shape)
+        for shard in range(3):
+            dp_sgd.add_noise_(got, config, dp_sgd.noise_generators(config, [shard]), shard)
+        assert torch.equal(got, want) and (want != 0).all(), shape

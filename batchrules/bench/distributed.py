@@ -13,8 +13,8 @@ profiler, the median of their peak memory (``memory.peak_extra_bytes``:
 torch's CPU allocator records under the profiler, tensor storage allocated
 beyond what was live before the step; not RSS).
   DDP   non-private: zero_grad, ``loss.backward()`` through the DDP module,
-        SGD step; DP: ``dp_step`` (clipped_grad, rank 0's noise, one
-        ``all_reduce_flat``, SGD step).
+        SGD step; DP: ``dp_step`` (clipped_grad, the rank's shard of the
+        noise, one ``all_reduce_flat``, SGD step).
   FSDP2 non-private: ``loss.backward()`` through the ``fully_shard``-ed
         model, SGD step; DP: ``fsdp_step`` (``unsharded``, clipped_grad, one
         ``reduce_scatter_flat``, each shard's noise, SGD step).
@@ -110,10 +110,10 @@ def _worker(rank: int, world: int, port: int, sizes: Sizes, out_dir: str) -> Non
 
     ddp = nn.parallel.DistributedDataParallel(model())
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-    ddp_noise = dp_sgd.noise_generators(config, range(world)) if rank == 0 else None
+    ddp_noise = dp_sgd.noise_generators(config, [rank])
 
     def ddp_dp() -> None:
-        dp_sgd.dp_step(ddp.module, ddp_opt, x, y, config, ddp_noise, all_reduce_flat)
+        dp_sgd.dp_step(ddp.module, ddp_opt, x, y, config, ddp_noise, all_reduce_flat, rank)
 
     sharded = model()
     arch = copy.deepcopy(sharded).to("meta")

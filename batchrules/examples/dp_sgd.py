@@ -16,15 +16,17 @@ expected batch size q*N and takes an optimizer step. Opacus' RDP accountant
   noise is added once per logical step.
 - ``--bf16``: the loss runs under ``torch.autocast("cpu", torch.bfloat16)``.
 - ``--ddp N``: N gloo processes on 127.0.0.1 draw the same Poisson batch and
-  each clips its share; rank 0 alone adds the noise (as Opacus'
-  DistributedDPOptimizer does) and the sums are all-reduced once per step
-  (``batchrules.dp.all_reduce_flat``): the update is one process's.
+  each clips its share and adds the noise of its own dim-0 shard of every
+  parameter (``noise_shards=N``: the noise is added once, and no rank draws
+  all of it, as Opacus' DistributedDPOptimizer's rank 0 does); the sums are
+  all-reduced once per step (``batchrules.dp.all_reduce_flat``): the update
+  is one process's.
 - ``--fsdp N``: the model sharded over N gloo processes with FSDP2's
   ``fully_shard`` (per encoder layer and at the root); see dp_sgd_ranks.py.
 
 Noise is drawn per dim-0 shard of each parameter (``noise_shards``), from one
-generator per shard: an FSDP rank draws only its own shard's noise, and one
-process with ``noise_shards=N`` draws the same noise as N FSDP ranks.
+generator per shard: a DDP or FSDP rank draws only its own shard's noise, and
+one process with ``noise_shards=N`` draws the same noise as N ranks.
 
     python -m batchrules.examples.dp_sgd [--model transformer] [--ddp 2 | --fsdp 2]
         [--logical-batch 256 --physical-batch 32] [--bf16] [--steps 30]
@@ -147,18 +149,34 @@ def draw_noise(shape: torch.Size, config: DPConfig, noise: Noise, first_shard: i
     return std * torch.cat(parts)
 
 
+def add_noise_(g: Tensor, config: DPConfig, noise: Noise, first_shard: int = 0) -> Tensor:
+    """Adds to ``g`` (in place) the noise of the dim-0 shards that ``noise``'s
+    generators draw, from ``first_shard`` on: all of it when they are all the
+    shards, else those rows (a DDP rank's share; a 0-dim tensor's noise
+    belongs to shard 0)."""
+    generators = [noise] if isinstance(noise, torch.Generator) else list(noise)
+    if len(generators) == config.noise_shards:
+        return g.add_(draw_noise(g.shape, config, generators))
+    if g.dim() == 0:
+        return g.add_(draw_noise(g.shape, config, generators)) if first_shard == 0 else g
+    part = draw_noise(g.shape, config, generators, first_shard)
+    start = min(first_shard * -(-g.shape[0] // config.noise_shards), g.shape[0])
+    g[start:start + part.shape[0]] += part
+    return g
+
+
 def dp_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor,
             config: DPConfig, noise: Optional[Noise],
-            all_reduce: Optional[AllReduce] = None) -> Tensor:
+            all_reduce: Optional[AllReduce] = None, first_shard: int = 0) -> Tensor:
     """One DP-SGD step on this process' share ``(x, y)`` of the batch; adds
-    noise only when given ``noise`` generators (one, or one per noise shard).
-    ``all_reduce`` sums the noised sums over the ranks (one collective).
-    Returns the per-sample norms."""
+    noise only when given ``noise`` generators (one, or one per noise shard,
+    from ``first_shard`` on: ``add_noise_``). ``all_reduce`` sums the noised
+    sums over the ranks (one collective). Returns the per-sample norms."""
     optimizer.zero_grad(set_to_none=True)  # the last step's gradients are not held during this one
     params = {k: p.detach() for k, p in model.named_parameters()}
     sums, norms = clipped_sums(model, params, x, y, config)
-    if noise is not None:
-        sums = {k: g + draw_noise(g.shape, config, noise) for k, g in sums.items()}
+    if noise is not None:  # the sums are fresh tensors: noised in place
+        sums = {k: add_noise_(g, config, noise, first_shard) for k, g in sums.items()}
     if all_reduce is not None:
         sums = all_reduce(sums)
     for name, p in model.named_parameters():
@@ -187,11 +205,14 @@ def train(config: DPConfig, model: Optional[nn.Module] = None, rank: int = 0, wo
     model = model if model is not None else make_model(config)
     if step is None:
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
-        # DDP: rank 0 alone adds the noise (all of its shards)
-        noise = noise_generators(config, range(config.noise_shards)) if rank == 0 else None
+        if config.noise_shards == world:  # each rank its own shard's noise
+            noise, first = noise_generators(config, [rank]), rank
+        else:  # rank 0 all of it
+            noise, first = (noise_generators(config, range(config.noise_shards))
+                            if rank == 0 else None), 0
 
         def sgd_step(xs: Tensor, ys: Tensor) -> Tensor:
-            return dp_step(model, optimizer, xs, ys, config, noise, all_reduce)
+            return dp_step(model, optimizer, xs, ys, config, noise, all_reduce, first)
         step = sgd_step
     sampler = torch.Generator().manual_seed(config.seed + 1)  # the same batches on every rank
     accountant = make_accountant()

@@ -1,8 +1,8 @@
 """The DP-SGD example (dp_sgd.py) on several gloo processes: DDP and FSDP2.
 
-DDP: every rank holds the model; each clips its share of the Poisson batch,
-rank 0 adds the noise, and the clipped sums are all-reduced with one
-collective per step (``batchrules.dp.all_reduce_flat``).
+DDP: every rank holds the model; each clips its share of the Poisson batch
+and adds its own dim-0 shard of the noise, and the clipped sums are
+all-reduced with one collective per step (``batchrules.dp.all_reduce_flat``).
 
 FSDP2: the model is sharded by ``fully_shard`` per encoder layer and at the
 root, so a rank holds a dim-0 shard of every parameter, its gradient and its
@@ -145,7 +145,10 @@ def _spawn(worker: Callable, config: DPConfig, world: int, timeout_s: float,
 
 
 def train_ddp(config: DPConfig, world: int = 2, timeout_s: float = 300.0) -> List[Dict[str, Tensor]]:
-    """``train`` on ``world`` DDP gloo processes; returns every rank's final state dict."""
+    """``train`` on ``world`` DDP gloo processes; returns every rank's final
+    state dict. Equal to ``train`` on one process with ``noise_shards=world``
+    (the same noise)."""
+    config = replace(config, noise_shards=world)
     with tempfile.TemporaryDirectory() as out_dir:
         _spawn(_ddp_worker, config, world, timeout_s, out_dir)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
