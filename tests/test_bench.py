@@ -8,6 +8,7 @@ and the targets on synthetic results: ``test_bench_report.py``.
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,8 @@ def smoke_record(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_smoke_json_structure(smoke_record: dict) -> None:
     assert smoke_record["all_correct"] is True
     assert {"torch", "torch_threads", "device", "cpu", "eager_linear_kernels"} <= smoke_record["machine"].keys()
+    # Note [Steady malloc for timing]: glibc's thresholds fixed wherever malloc is glibc's
+    assert smoke_record["machine"]["steady_malloc"] is (platform.libc_ver()[0] == "glibc")
     assert smoke_record["config"]["mode"] == "smoke"
     assert smoke_record["vmap_floor"]["median_s"] > 0
     names = [f"{c['scenario']}/{c['size']}" for c in smoke_record["cases"]]

@@ -14,7 +14,7 @@ from .baselines.opacus_variants import opacus_missing_reason
 from .case import TIERS
 from .compiled import compile_failure, private_inductor_cache, warm_up_compiler
 from .kernels import eager_linear_kernels
-from .machine import machine_info, overloaded
+from .machine import machine_info, overloaded, steady_malloc
 from .plot import plot_speedups
 from .progress import Progress
 from .report import all_correct, headline_table, limit_ratios_text, table, targets_text, to_json
@@ -107,9 +107,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                                               "implemented the batching rule")
 
     machine = machine_info(device)
+    machine["steady_malloc"] = steady_malloc()
     note = opacus_missing_reason()
     print(f"batchrules bench ({args.mode}) on {device}: torch {machine['torch']}, "
-          f"{machine['torch_threads']} threads, {machine['cpu']}; load {machine['load_average_1m_5m_15m']}")
+          f"{machine['torch_threads']} threads, {machine['cpu']}; load {machine['load_average_1m_5m_15m']}"
+          f"{'; glibc malloc thresholds fixed' if machine['steady_malloc'] else ''}")
     if load is not None:
         threads = "" if args.threads else "; running on 1 thread (--threads N overrides)"
         print(f"warning: load average {load:.1f} exceeds the {machine['cpu_count']} CPUs: timings are "

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .case import Variant
+from .machine import steady_malloc
 from .memory import peak_extra_bytes
 
 WORLD = 2
@@ -92,6 +93,7 @@ def _worker(rank: int, world: int, port: int, sizes: Sizes, out_dir: str) -> Non
     from batchrules.examples import dp_sgd, dp_sgd_ranks
 
     dp_sgd_ranks._init(rank, world, port)
+    steady_malloc()  # Note [Steady malloc for timing]
     config = dp_sgd.DPConfig(model="transformer", examples=world * sizes.batch, sample_rate=1.0,
                              noise_shards=world)
     x, y = dp_sgd.make_data(config)

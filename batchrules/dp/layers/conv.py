@@ -25,9 +25,10 @@ stages on small images: 1x1 or 2x2 outputs), the clipped sum is not the
 convolution's weight-gradient kernel but the clipped sums' GEMM (gemm.py) over
 the unfolded patches, ``[B, rows, C*k]``, no larger than 4 times the
 gradient's rows. oneDNN's weight-gradient kernel is slow at these shapes on
-CPU: 512->512 3x3 on a 1x1 input, batch 16, 1 thread, takes 2-11 ms against
-0.7-1.0 ms for unfold + GEMM (2x2 inputs: 15 vs 2.2 ms); from 4x4 outputs on,
-the kernel is faster (0.49 vs 0.79 ms at 128->128).
+CPU (batch 16, 1 thread, Note [Steady malloc for timing] in bench/machine.py):
+3x3 512->512 on 1x1 inputs 2.6 ms against 1.1 ms for unfold + GEMM, on 2x2
+inputs 4.9 vs 2.2 ms, 256->512 strided 2x2 -> 1x1 1.6 vs 0.33 ms; from 4x4
+outputs on, the kernel is faster (0.53 vs 0.92 ms at 128->128).
 """
 import math
 from dataclasses import dataclass
