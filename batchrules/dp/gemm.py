@@ -16,9 +16,11 @@ operand is written once, transposed and contiguous, as X: oneDNN copies a
 transposed X itself, so the only temporary is the scaled copy the other path
 makes too. Where that path would scale a writable operand in place and the
 copy would be larger than the result, it keeps the in-place sgemm instead
-(peak memory before speed). Every other case (float64, CUDA, no oneDNN, a
-wider operand whose rows overlap, as the stride-0 gradient of a sum) is
-``torch.mm``.
+(peak memory before speed). Every other case is ``torch.mm``: float64, CUDA,
+no oneDNN, and a wider operand whose rows are not packed one after the
+other: overlapping (the stride-0 gradient of a sum) or spaced (a slice, as a
+[CLS] token's rows), for which oneDNN runs a reference kernel (BERT's pooler,
+16 rows of 256: 28 ms against 0.07 ms packed).
 """
 from typing import Tuple
 
@@ -57,5 +59,5 @@ def _onednn_runs(narrow: Tensor, wide_rows: Tensor, macs: int, in_place: bool) -
     """Note [oneDNN for the clipped sums]; ``wide_rows``: the wider operand as ``[R, K]``."""
     return (_ONEDNN is not None and torch._C._get_mkldnn_enabled() and macs >= _ONEDNN_MIN_MACS
             and narrow.device.type == "cpu" and narrow.dtype == wide_rows.dtype == torch.float32
-            and wide_rows.stride(-1) == 1 and wide_rows.stride(0) >= wide_rows.shape[1]
+            and wide_rows.is_contiguous()
             and not (in_place and narrow.numel() > narrow.shape[-1] * wide_rows.shape[-1]))
