@@ -250,9 +250,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--bf16", action="store_true", help="the loss under bfloat16 autocast")
     parser.add_argument("--steps", type=int, default=DPConfig.steps)
     args = parser.parse_args(argv)
+    if args.ddp and args.fsdp and args.ddp != args.fsdp:
+        parser.error("--ddp and --fsdp together take the same N: the one-process run they are "
+                     "checked against draws N noise shards")
     config = config_from_args(args)
-    if args.fsdp:
-        config = replace(config, noise_shards=args.fsdp)
+    if args.fsdp or args.ddp:  # the ranks draw their shards' noise: the same noise here
+        config = replace(config, noise_shards=args.fsdp or args.ddp)
     model, epsilon = train(config, log=print)
     with torch.no_grad():
         x, y = make_data(config)
