@@ -23,3 +23,9 @@ def test_transformer_fine_tuning(flags, expected: str, capsys) -> None:
     assert "step 0: batch" in out and "step 1: batch" in out
     assert "epsilon" in out and "RDP accountant" in out
     assert expected in out
+
+
+def test_ddp_and_fsdp_need_the_same_world(capsys) -> None:
+    with pytest.raises(SystemExit):
+        dp_sgd.main(["--ddp", "2", "--fsdp", "3"])
+    assert "--ddp and --fsdp together take the same N" in capsys.readouterr().err
