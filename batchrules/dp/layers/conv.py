@@ -23,8 +23,7 @@ Note [Convolutions with few output positions]
 Where a sample has at most ``_GEMM_ROWS`` output positions (a ResNet's last
 stages on small images: 1x1 or 2x2 outputs), the clipped sum is not the
 convolution's weight-gradient kernel but the clipped sums' GEMM (gemm.py) over
-the unfolded patches, ``[B, rows, C*k]``, no larger than 4 times the
-gradient's rows. oneDNN's weight-gradient kernel is slow at these shapes on
+the unfolded patches ``[B, rows, C*k]`` (at most 4 rows a sample). oneDNN's weight-gradient kernel is slow at these shapes on
 CPU (batch 16, 1 thread, Note [Steady malloc for timing] in bench/machine.py):
 3x3 512->512 on 1x1 inputs 2.6 ms against 1.1 ms for unfold + GEMM, on 2x2
 inputs 4.9 vs 2.2 ms, 256->512 strided 2x2 -> 1x1 1.6 vs 0.33 ms; from 4x4
