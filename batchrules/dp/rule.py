@@ -24,6 +24,8 @@ from .tape import Param, Tape
 # A rule's answer when it does not handle a call: the call then takes the
 # generic path (Note [Per-sample copies] in tape.py).
 NOT_HANDLED = object()
+# The dtypes autocast casts (float64 it leaves alone): autocast_matches.
+_AUTOCAST_CASTS = {torch.float32, torch.float16, torch.bfloat16}
 
 
 class Rule:
@@ -194,12 +196,10 @@ def batched(tape: Tape, value: Tensor) -> Tensor:
 def autocast_matches(x: Tensor, w: Tensor) -> bool:
     """Whether a matmul-like op (linear, addmm, convolution: on autocast's
     lower-precision list on CPU and CUDA) of ``x`` and the parameter ``w`` runs
-    as recorded: the same dtype, or both floating point under autocast, which
-    casts both (Note [clipped_grad under autocast] in transform.py)."""
+    as recorded: the same dtype, or two of the dtypes autocast casts, under
+    autocast (Note [clipped_grad under autocast] in transform.py)."""
     if x.dtype == w.dtype:
         return True
     return ({x.dtype, w.dtype} <= _AUTOCAST_CASTS
             and torch.is_autocast_enabled(x.device.type))
 
-
-_AUTOCAST_CASTS = {torch.float32, torch.float16, torch.bfloat16}  # not float64
