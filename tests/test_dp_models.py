@@ -127,7 +127,8 @@ def test_conv(routing, kinds, name: str) -> None:
 @pytest.mark.parametrize("bias", [False, True])
 def test_conv_few_output_positions_take_the_gemm(routing, kinds, monkeypatch, bias: bool) -> None:
     """Note [Convolutions with few output positions]: a ResNet's last stages
-    (3x3, padding 1, on a 2x2 input; strided to 1x1) take the patches' GEMM."""
+    (3x3, padding 1, on a 2x2 input; strided to 1x1) take the patches' GEMM,
+    over the patches their ghost norm unfolded."""
     shapes = []
     original = conv_rule.clipped_gemm
 
@@ -136,12 +137,17 @@ def test_conv_few_output_positions_take_the_gemm(routing, kinds, monkeypatch, bi
         return original(x, y, c, writable)
 
     monkeypatch.setattr(conv_rule, "clipped_gemm", counted)
+    unfolds = []
+    patches = conv_rule.ConvUse.patches
+    monkeypatch.setattr(conv_rule.ConvUse, "patches",
+                        lambda use, s: unfolds.append(s) or patches(use, s))
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=bias), nn.ReLU(),
                           nn.Conv2d(8, 6, 3, stride=2, padding=1, bias=bias), nn.Flatten(),
                           nn.Linear(6, 3))
     check_model(model, *data(3, 2, 2))
     # B,rows,O x B,rows,C*k: 4 output positions, then 1
     assert sorted(shapes) == [((BATCH, 1, 6), (BATCH, 1, 72)), ((BATCH, 4, 8), (BATCH, 4, 27))]
+    assert unfolds == [slice(0, BATCH)] * 2  # once a conv, whole-batch: the norm's, kept for the sum
     assert kinds["0.weight"] == kinds["2.weight"] == "conv"
 
 

@@ -23,7 +23,11 @@ Note [Convolutions with few output positions]
 Where a sample has at most ``_GEMM_ROWS`` output positions (a ResNet's last
 stages on small images: 1x1 or 2x2 outputs), the clipped sum is not the
 convolution's weight-gradient kernel but the clipped sums' GEMM (gemm.py) over
-the unfolded patches ``[B, rows, C*k]`` (at most 4 rows a sample). oneDNN's weight-gradient kernel is slow at these shapes on
+the unfolded patches ``[B, rows, C*k]`` (at most 4 rows a sample), unfolded
+once for the whole batch and kept from the ghost norm to the sum (a transient
+the sum needs anyway, so the norm is not chunked: Note [Bounded transients]
+would cut layer 4 of a ResNet on 32x32 images into chunks of 3 samples, each
+its own unfold). oneDNN's weight-gradient kernel is slow at these shapes on
 CPU (batch 16, 1 thread, Note [Steady malloc for timing] in bench/machine.py):
 3x3 512->512 on 1x1 inputs 2.6 ms against 1.1 ms for unfold + GEMM, on 2x2
 inputs 4.9 vs 2.2 ms, 256->512 strided 2x2 -> 1x1 1.6 vs 0.33 ms; from 4x4
@@ -88,6 +92,8 @@ class ConvUse(Use):
     edge: Any
     grad: Optional[Tensor] = None  # [B*N, O, *out_spatial]
     kept: Optional[Tensor] = None  # [B, numel]: per-sample weight gradients, when they fit
+    # [B, rows, C*k]: few output positions' patches, from the norm to the sum
+    few_patches: Optional[Tensor] = None
 
     def roles(self) -> Dict[Param, str]:
         return {self.weight: "weight", **({self.bias: "bias"} if self.bias is not None else {})}
@@ -100,6 +106,15 @@ class ConvUse(Use):
     @property
     def images(self) -> int:  # N
         return self.input.shape[0] // self.samples if self.samples else 1
+
+    @property
+    def rows(self) -> int:  # N*P: a sample's output positions
+        return self.images * math.prod(self.grad.shape[2:])
+
+    @property
+    def few_positions(self) -> bool:
+        """Note [Convolutions with few output positions]."""
+        return self.groups == 1 and self.rows <= _GEMM_ROWS
 
     def patches(self, s: slice) -> Tensor:
         """Sample slice ``s``'s unfolded input, ``[b, G, N*P, C/G*k]``."""
@@ -126,7 +141,7 @@ class ConvUse(Use):
         return t.reshape(b, groups, n * t.shape[3], t.shape[4]) if n > 1 else t.squeeze(2)
 
     def release(self) -> None:
-        self.grad = self.input = self.kept = None  # type: ignore[assignment]
+        self.grad = self.input = self.kept = self.few_patches = None  # type: ignore[assignment]
 
     def per_sample_grad(self, role: str) -> Tensor:
         every = slice(0, self.samples)
@@ -164,9 +179,12 @@ class ConvUse(Use):
         way, in chunks (Note [Convolution norms], Note [Bounded transients])."""
         (use,) = uses
         w = use.weight.value
-        rows = use.images * math.prod(use.grad.shape[2:])
+        rows, every = use.rows, slice(0, use.samples)
         in_f, out_f = w[0].numel(), w.shape[0] // use.groups
         budget = use.input.numel() + use.grad.numel()
+        if use.few_positions and ghost_is_cheaper(rows, in_f, out_f):
+            use.few_patches = use.patches(every)[:, 0]
+            return pair_norms_sq(use.few_patches, use.grads(every)[:, 0])
         if ghost_is_cheaper(rows, in_f, out_f):
             per_sample = use.groups * (rows * in_f + transient_per_sample(rows, in_f, out_f))
             return chunked(use.samples, per_sample, budget,
@@ -192,8 +210,7 @@ class ConvUse(Use):
         c = coef.to(use.grad.dtype)
         x, g = use.input, use.grad
         every = slice(0, use.samples)
-        rows = use.images * math.prod(g.shape[2:])
-        gemm = use.kept is None and use.groups == 1 and rows <= _GEMM_ROWS
+        gemm = use.kept is None and use.few_positions
         fuse_bias = (bias is not None and use.kept is None and not gemm
                      and g.numel() <= x.numel())
         grad_b = None
@@ -202,8 +219,8 @@ class ConvUse(Use):
         if use.kept is not None:
             return torch.mv(use.kept.t(), c).view_as(w), grad_b
         if gemm:  # B,rows,O x B,rows,C*k -> O,C*k
-            grad_w = clipped_gemm(use.grads(every)[:, 0], use.patches(every)[:, 0], c,
-                                  (writable(g, owned), True))
+            patches = use.few_patches if use.few_patches is not None else use.patches(every)[:, 0]
+            grad_w = clipped_gemm(use.grads(every)[:, 0], patches, c, (writable(g, owned), True))
             return grad_w.view_as(w), grad_b
         # [B*N, ...] -> [B, N, ...] splits a dim, a view whatever the strides
         # (a ViT's patch embedding hands back a transposed output gradient).
@@ -225,7 +242,7 @@ class ConvUse(Use):
         (use,) = uses
         if use.groups != 1:
             return None
-        rows, w = use.images * math.prod(use.grad.shape[2:]), use.weight.value
+        rows, w = use.rows, use.weight.value
         return Factors(use.samples, rows, w.shape[0], w[0].numel(), False,
                        lambda s: (use.grads(s)[:, 0], use.patches(s)[:, 0]), rows * w[0].numel())
 
