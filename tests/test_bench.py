@@ -22,6 +22,7 @@ from batchrules.bench.case import TIERS, Variant
 from batchrules.bench.compiled import (check_no_recompile, compile_failure, compile_now,
                                        compiled_twin, fresh_function)
 from batchrules.bench.kernels import count_kernels, eager_linear_kernels
+from batchrules.bench.machine import steady_malloc
 from batchrules.bench.memory import peak_extra_bytes
 from batchrules.bench.scenarios import all_cases
 from batchrules.bench.targets import COMPILED_TARGET
@@ -54,8 +55,7 @@ def smoke_record(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_smoke_json_structure(smoke_record: dict) -> None:
     assert smoke_record["all_correct"] is True
     assert {"torch", "torch_threads", "device", "cpu", "eager_linear_kernels"} <= smoke_record["machine"].keys()
-    # Note [Steady malloc for timing]: glibc's thresholds fixed wherever malloc is glibc's
-    assert smoke_record["machine"]["steady_malloc"] is (platform.libc_ver()[0] == "glibc")
+    assert smoke_record["machine"]["steady_malloc"] is False  # Note [Steady malloc for timing]: a flag
     assert smoke_record["config"]["mode"] == "smoke"
     assert smoke_record["vmap_floor"]["median_s"] > 0
     names = [f"{c['scenario']}/{c['size']}" for c in smoke_record["cases"]]
@@ -295,3 +295,8 @@ def test_graph_break_is_a_one_line_compile_failure() -> None:
         compile_now(twin, lambda: None)
     reason = compile_failure(info.value)
     assert reason.startswith("did not compile: ") and "\n" not in reason
+
+
+def test_steady_malloc_where_glibc() -> None:
+    """Note [Steady malloc for timing]: mallopt succeeds wherever malloc is glibc's."""
+    assert steady_malloc() is (platform.libc_ver()[0] == "glibc")

@@ -58,6 +58,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--threads", type=int,
                    help="torch.set_num_threads before running (default: torch's, or 1 when the load "
                         "average exceeds the CPU count)")
+    p.add_argument("--steady-malloc", action="store_true",
+                   help="fix glibc's malloc mmap and trim thresholds before timing, as jemalloc or "
+                        "tcmalloc would (steadier runs; Note [Steady malloc for timing]); off by "
+                        "default, as most users run")
     p.add_argument("--budget", type=float, metavar="SECONDS",
                    help="timing budget per case (overrides the mode's; repeats stay within its bounds)")
     p.add_argument("--json", metavar="PATH", help="write every number and machine info as JSON")
@@ -107,7 +111,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                               "implemented the batching rule")
 
     machine = machine_info(device)
-    machine["steady_malloc"] = steady_malloc()
+    machine["steady_malloc"] = args.steady_malloc and steady_malloc()
     note = opacus_missing_reason()
     print(f"batchrules bench ({args.mode}) on {device}: torch {machine['torch']}, "
           f"{machine['torch_threads']} threads, {machine['cpu']}; load {machine['load_average_1m_5m_15m']}"

@@ -23,6 +23,7 @@ memory under FSDP2 <= 1.3x the non-private FSDP2 step's.
 """
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -55,6 +56,7 @@ class Sizes:
     batch: int = 32  # samples per rank
     repeats: int = 15  # timed steps per variant, interleaved
     warmup: int = 3
+    steady_malloc: bool = False  # Note [Steady malloc for timing]
 
 
 FULL = Sizes()
@@ -93,7 +95,8 @@ def _worker(rank: int, world: int, port: int, sizes: Sizes, out_dir: str) -> Non
     from batchrules.examples import dp_sgd, dp_sgd_ranks
 
     dp_sgd_ranks._init(rank, world, port)
-    steady_malloc()  # Note [Steady malloc for timing]
+    if sizes.steady_malloc:
+        steady_malloc()
     config = dp_sgd.DPConfig(model="transformer", examples=world * sizes.batch, sample_rate=1.0,
                              noise_shards=world)
     x, y = dp_sgd.make_data(config)
@@ -183,8 +186,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="smallest sizes, 3 repeats: numbers are noise")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
+    p.add_argument("--steady-malloc", action="store_true",
+                   help="fix glibc's malloc thresholds in each rank (Note [Steady malloc for timing])")
     args = p.parse_args(argv)
-    sizes = SMOKE if args.smoke else FULL
+    sizes = dataclasses.replace(SMOKE if args.smoke else FULL, steady_malloc=args.steady_malloc)
     print(table(run(sizes, args.timeout), sizes))
     sys.stdout.flush()
 

@@ -49,7 +49,11 @@ def overloaded() -> Optional[float]:
 # weight gradient of a 512->512 3x3 convolution on 1x1 inputs (batch 16)
 # takes 2.2 ms in one process and 10.5 ms in the next. Fixing both
 # thresholds (what jemalloc/tcmalloc, which torch's CPU tuning guide
-# recommends, do by design) makes every variant pay the same.
+# recommends, do by design) makes every variant pay the same, and steadier.
+# It also makes stock vmap(grad)'s large per-sample gradients cheaper (the
+# DP MLP row's stock step 200-360 ms -> 60-140 ms), so it is a flag
+# (--steady-malloc), off by default: the default run measures what a user's
+# default environment gets.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD, _TRIM_THRESHOLD = 32 << 20, 256 << 20
 
