@@ -176,7 +176,9 @@ class ConvUse(Use):
     @classmethod
     def norms_sq(cls, uses: List[Use], bias: Optional[Param]) -> Tensor:
         """Per-sample ``||weight gradient||^2`` (without the bias'), the cheaper
-        way, in chunks (Note [Convolution norms], Note [Bounded transients])."""
+        way, in chunks (Note [Convolution norms], Note [Bounded transients]);
+        few output positions: ghost, whole-batch, the patches kept for the sum
+        (Note [Convolutions with few output positions])."""
         (use,) = uses
         w = use.weight.value
         rows, every = use.rows, slice(0, use.samples)
