@@ -264,6 +264,18 @@ def test_attention_under_vmap(amp: Any) -> None:
 # --- clipped_grad -----------------------------------------------------------------------------
 
 
+def materialized_reference(loss: Callable[..., Tensor], max_norm: float, device: str,
+                           params: Dict[str, Tensor], *batched: Tensor) -> Any:
+    """vmap(grad) + clip + sum, as clipped_grad returns it: per-sample
+    gradients under whatever autocast is active (float32, as the parameters),
+    clipped and summed in float32."""
+    per = vmap(grad(loss), in_dims=(None,) + (0,) * len(batched))(params, *batched)
+    with torch.autocast(device, enabled=False):
+        norms = torch.cat([g.flatten(1) for g in per.values()], 1).norm(dim=1)
+        coef = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+        return {k: torch.tensordot(coef, g, dims=1) for k, g in per.items()}, norms
+
+
 def test_clipped_grad_matches_materialized_reference(amp: Any) -> None:
     device, dtype = amp
     model, x, y = mlp(device), data(device, 6, 6), data(device, 6, 3)
@@ -272,15 +284,8 @@ def test_clipped_grad_matches_materialized_reference(amp: Any) -> None:
     def loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
         return F.mse_loss(functional_call(model, p, (xi,)), yi)
 
-    def reference() -> Any:
-        per = vmap(grad(loss), in_dims=(None, 0, 0))(p, x, y)  # float32, as the parameters
-        with torch.autocast(device, enabled=False):  # clip and sum in float32
-            norms = torch.cat([g.flatten(1) for g in per.values()], 1).norm(dim=1)
-            coef = (0.05 / (norms + 1e-6)).clamp(max=1.0)
-            return {k: torch.tensordot(coef, g, dims=1) for k, g in per.items()}, norms
-
     got = run(amp, True, lambda: batchrules.clipped_grad(loss, 0.05)(p, x, y))
-    want = run(amp, False, reference)
+    want = run(amp, False, lambda: materialized_reference(loss, 0.05, device, p, x, y))
     assert got[1].dtype == torch.float32 and all(g.dtype == torch.float32 for g in got[0].values())
     assert_matches(got, want, dtype)
 
@@ -326,17 +331,11 @@ def test_clipped_grad_rules_take_low_precision_inputs(amp: Any, layers: str, mon
     def loss(p: Dict[str, Tensor], xi: Tensor) -> Tensor:
         return functional_call(model, p, (xi[None],)).float().square().sum()
 
-    def reference() -> Any:
-        per = vmap(grad(loss), in_dims=(None, 0))(p, x)
-        with torch.autocast(device, enabled=False):
-            norms = torch.cat([g.flatten(1) for g in per.values()], 1).norm(dim=1)
-            coef = (0.5 / (norms + 1e-6)).clamp(max=1.0)
-            return {k: torch.tensordot(coef, g, dims=1) for k, g in per.items()}, norms
-
     got = run(amp, True, lambda: batchrules.clipped_grad(loss, 0.5)(p, x))
     weights = {k: v for k, v in kinds.items() if k.endswith("weight']")}
     assert len(weights) == 2 and set(weights.values()) == {kind}, kinds
-    assert_matches(got, run(amp, False, reference), dtype)
+    assert_matches(got, run(amp, False, lambda: materialized_reference(loss, 0.5, device, p, x)),
+                   dtype)
 
 
 class TinyLM(nn.Module):
@@ -373,11 +372,7 @@ def test_clipped_grad_transformer_under_autocast(amp: Any) -> None:
         return F.cross_entropy(logits[:-1], ti[1:])
 
     def reference() -> Any:
-        per = vmap(grad(loss), in_dims=(None, 0))(p, tokens)
-        with torch.autocast(device, enabled=False):
-            norms = torch.cat([g.flatten(1) for g in per.values()], 1).norm(dim=1)
-            coef = (1.0 / (norms + 1e-6)).clamp(max=1.0)
-            return {k: torch.tensordot(coef, g, dims=1) for k, g in per.items()}, norms
+        return materialized_reference(loss, 1.0, device, p, tokens)
 
     got = run(amp, True, lambda: batchrules.clipped_grad(loss, 1.0)(p, tokens))
     stock = run(amp, False, reference)
