@@ -202,4 +202,3 @@ def autocast_matches(x: Tensor, w: Tensor) -> bool:
         return True
     return ({x.dtype, w.dtype} <= _AUTOCAST_CASTS
             and torch.is_autocast_enabled(x.device.type))
-

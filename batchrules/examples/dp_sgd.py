@@ -160,7 +160,7 @@ def add_noise_(g: Tensor, config: DPConfig, noise: Noise, first_shard: int = 0) 
     if g.dim() == 0:
         return g.add_(draw_noise(g.shape, config, generators)) if first_shard == 0 else g
     part = draw_noise(g.shape, config, generators, first_shard)
-    start = min(first_shard * -(-g.shape[0] // config.noise_shards), g.shape[0])
+    start = sum(shard_rows(g.shape[0], config.noise_shards, s) for s in range(first_shard))
     g[start:start + part.shape[0]] += part
     return g
 

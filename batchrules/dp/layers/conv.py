@@ -184,15 +184,15 @@ class ConvUse(Use):
         rows, every = use.rows, slice(0, use.samples)
         in_f, out_f = w[0].numel(), w.shape[0] // use.groups
         budget = use.input.numel() + use.grad.numel()
-        if use.few_positions and ghost_is_cheaper(rows, in_f, out_f):
-            use.few_patches = use.patches(every)[:, 0]
-            return pair_norms_sq(use.few_patches, use.grads(every)[:, 0])
         if ghost_is_cheaper(rows, in_f, out_f):
+            if use.few_positions:
+                use.few_patches = use.patches(every)[:, 0]
+                return pair_norms_sq(use.few_patches, use.grads(every)[:, 0])
             per_sample = use.groups * (rows * in_f + transient_per_sample(rows, in_f, out_f))
             return chunked(use.samples, per_sample, budget,
                            lambda s: pair_norms_sq(use.patches(s), use.grads(s)))
         if use.samples * w.numel() <= budget:
-            use.kept = use.grouped_grads(slice(0, use.samples))
+            use.kept = use.grouped_grads(every)
             return sq_norms(use.kept, 1)
         return chunked(use.samples, w.numel(), budget,
                        lambda s: sq_norms(use.grouped_grads(s), 1))
