@@ -35,6 +35,7 @@ from torch.autograd.function import once_differentiable
 from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
 from ..tape import Param, Tape, tap, weight_for
 
+
 class _Normalize(torch.autograd.Function):
     """``F.layer_norm(x, shape, eps=eps)`` without affine, saving its output (Note
     [Normalizing without keeping the input])."""
