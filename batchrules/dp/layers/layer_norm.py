@@ -57,6 +57,7 @@ def _(x: Tensor, shape: List[int], eps: float) -> Tuple[Tensor, Tensor]:
 def _normalize_setup_context(ctx: Any, inputs: Tuple[Any, ...],
                              output: Tuple[Tensor, Tensor]) -> None:
     ctx.save_for_backward(*output)
+    ctx.mark_non_differentiable(output[1])  # the backward takes no gradient of rstd
     ctx.shape = inputs[1]
 
 
