@@ -159,6 +159,7 @@ def test_layer_norm_keeps_x_hat_not_its_input() -> None:
     x_hat, rstd = layer_norm_rule._normalize(x, [5], 1e-5)
     torch.testing.assert_close(x_hat, F.layer_norm(x, (5,)))
     assert not rstd.requires_grad
+    assert all(t.data_ptr() != x.data_ptr() for t in x_hat.grad_fn.saved_tensors)
     saved = {t.data_ptr() for t in x_hat.grad_fn.saved_tensors}
     assert saved == {x_hat.data_ptr(), rstd.data_ptr()}
     torch.autograd.gradcheck(lambda t: layer_norm_rule._normalize(t, [4, 5], 1e-5)[0], x)
