@@ -91,6 +91,10 @@ TORCH_LIBRARY(batchrules, m) {
       "Tensor? grad_output, Tensor? grad_h_n, Tensor? grad_c_n, Tensor[] workspace, bool reverse) "
       "-> (Tensor grad_input, Tensor grad_w_ih, Tensor grad_w_hh, Tensor grad_b_ih, "
       "Tensor grad_b_hh, Tensor grad_h0, Tensor grad_c0)");
+  // Per-sample squared norms ||g_i^T a_i||_F^2 of rows [B, T, I] and grads
+  // [B, T, O] (clipped_grad's ghost norms; Note [The ghost norm kernel]):
+  // CPU (float32, float64) and Meta only, not differentiable.
+  m.def("ghost_norms_sq(Tensor rows, Tensor grads) -> Tensor");
   // Each activation: <name>(self) and <name>_backward(grad_output, self),
   // whose operands broadcast against each other as in aten::silu_backward.
 #define BATCHRULES_DEFINE_ACTIVATION_SCHEMAS(name, ...) \

@@ -11,7 +11,9 @@ cheaper one is chosen per layer, as book-keeping's "mixed" rule does (Bu et
 al., ICML 2023: ghost when 2T^2 < I*O, i.e. the same comparison up to the
 lower-order terms): ghost for wide layers over short sequences, the
 materialized norm for convolutions with many output positions and for long
-sequences through narrow layers.
+sequences through narrow layers. On the CPU a ghost norm of at most
+``_GHOST_KERNEL_ROWS`` rows is one C++ kernel over the pairs instead of two
+bmms (Note [The ghost norm kernel] in csrc/ghost_norm/kernel.cpp).
 
 Note [Bounded transients]
 Either way the temporaries ([B, T, T] pairs, or [B, O, I] per-sample
@@ -49,6 +51,16 @@ def transient_per_sample(rows: int, in_features: int, out_features: int) -> int:
     return in_features * out_features
 
 
+_GHOST_KERNEL = torch.ops.batchrules.ghost_norms_sq.default
+_GHOST_KERNEL_ROWS = 32  # Note [The ghost norm kernel] (csrc/ghost_norm/kernel.cpp)
+
+
+def _ghost_kernel_runs(a: Tensor, g: Tensor) -> bool:
+    """The C++ ghost norm for a CPU layer's few rows (faster than two bmms there)."""
+    return (1 < a.shape[-2] <= _GHOST_KERNEL_ROWS and a.device.type == "cpu"
+            and a.dtype == g.dtype and a.dtype in (torch.float32, torch.float64))
+
+
 def pair_norms_sq(a: Tensor, g: Tensor) -> Tensor:
     """``||g_i^T a_i||^2`` for ``a: [B, *, T, I]``, ``g: [B, *, T, O]`` (``*``:
     groups, summed over), by the cheaper way (Note [Ghost or materialized norm])."""
@@ -56,6 +68,9 @@ def pair_norms_sq(a: Tensor, g: Tensor) -> Tensor:
     if rows == 1:
         return (sq_norms(a, -1) * sq_norms(g, -1)).flatten(1).sum(1)
     if ghost_is_cheaper(rows, in_f, out_f):
+        if _ghost_kernel_runs(a, g):
+            norms = _GHOST_KERNEL(a.reshape(-1, rows, in_f), g.reshape(-1, rows, out_f))
+            return norms.view(a.shape[0], -1).sum(1)
         # B,T,I x B,I,T -> B,T,T (and the same for g)
         aat = torch.matmul(a, a.transpose(-1, -2))
         ggt = torch.matmul(g, g.transpose(-1, -2))

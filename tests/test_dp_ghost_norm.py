@@ -1,0 +1,99 @@
+"""The ghost norm kernel (``batchrules::ghost_norms_sq``, Note [The ghost norm
+kernel] in csrc/ghost_norm/kernel.cpp) and where dp/cost.py uses it."""
+import pytest
+import torch
+
+import batchrules  # noqa: F401  (loads the operators)
+from batchrules.dp import cost
+
+ghost_norms_sq = torch.ops.batchrules.ghost_norms_sq.default
+
+
+def materialized(a, g):
+    """``||g_i^T a_i||^2`` from the per-sample [O, I] gradients, in float64."""
+    return torch.einsum("bto,bti->boi", g.double(), a.double()).square().sum((1, 2))
+
+
+def operands(batch, rows, in_f, out_f, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, rows, in_f, generator=gen, dtype=dtype),
+            torch.randn(batch, rows, out_f, generator=gen, dtype=dtype))
+
+
+# Sizes around the 16 lanes (remainders, fewer than 16 features) and the row counts clipped_grad meets.
+@pytest.mark.parametrize("batch, rows, in_f, out_f", [
+    (1, 1, 1, 1), (3, 1, 5, 7), (4, 2, 16, 16), (5, 12, 128, 384), (2, 7, 17, 33),
+    (3, 20, 32, 512), (2, 32, 31, 15), (0, 4, 8, 8), (2, 0, 8, 8), (2, 3, 0, 8)])
+def test_equals_the_materialized_norm_in_float64(batch, rows, in_f, out_f) -> None:
+    a, g = operands(batch, rows, in_f, out_f)
+    got = ghost_norms_sq(a, g)
+    assert got.shape == (batch,) and got.dtype == torch.float64
+    torch.testing.assert_close(got, materialized(a, g), rtol=1e-12, atol=1e-12)
+
+
+def test_float32_is_as_accurate_as_the_bmm_formula() -> None:
+    a, g = operands(16, 24, 200, 300, torch.float32, seed=1)
+    want = materialized(a, g)
+    got = ghost_norms_sq(a, g)
+    assert got.dtype == torch.float32
+    bmm = ((a @ a.transpose(1, 2)) * (g @ g.transpose(1, 2))).sum((1, 2))
+    kernel_err = ((got.double() - want).abs() / want).max()
+    bmm_err = ((bmm.double() - want).abs() / want).max()
+    assert kernel_err < 1e-6 and kernel_err <= 2 * bmm_err + 1e-7
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "expanded"])
+def test_any_strides(layout) -> None:
+    a, g = operands(4, 6, 10, 12)
+    if layout == "transposed":
+        a = a.transpose(0, 1).contiguous().transpose(0, 1)
+        g = g.permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    elif layout == "sliced":
+        a, g = a[:, ::2], g[:, ::2]
+    else:  # the stride-0 gradient of a sum
+        g = g[:, :1].expand(-1, a.shape[1], -1)
+    torch.testing.assert_close(ghost_norms_sq(a, g), materialized(a, g), rtol=1e-12, atol=1e-12)
+
+
+def test_opcheck() -> None:
+    a, g = operands(3, 5, 9, 11)
+    torch.library.opcheck(ghost_norms_sq, (a, g), test_utils=(
+        "test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+@pytest.mark.parametrize("a_shape, g_shape, match", [
+    ((2, 3), (2, 3, 4), r"rows \[B, T, I\] and grads \[B, T, O\].*\[2, 3\]"),
+    ((2, 3, 4), (2, 5, 4), r"\[2, 3, 4\] and grads \[2, 5, 4\] must agree"),
+    ((3, 3, 4), (2, 3, 4), r"must agree in their first two dims"),
+])
+def test_bad_shapes_name_them(a_shape, g_shape, match) -> None:
+    with pytest.raises(RuntimeError, match=match):
+        ghost_norms_sq(torch.zeros(a_shape), torch.zeros(g_shape))
+    with pytest.raises(RuntimeError, match=match):  # the Meta kernel: the same message
+        ghost_norms_sq(torch.zeros(a_shape, device="meta"), torch.zeros(g_shape, device="meta"))
+
+
+def test_bad_dtypes_name_them() -> None:
+    with pytest.raises(RuntimeError, match="of one dtype, but got Float and Double"):
+        ghost_norms_sq(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="expected float32 or float64 tensors, but got BFloat16"):
+        ghost_norms_sq(torch.zeros(2, 3, 4, dtype=torch.bfloat16),
+                       torch.zeros(2, 3, 4, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows, used", [(12, True), (cost._GHOST_KERNEL_ROWS, True),
+                                        (cost._GHOST_KERNEL_ROWS + 1, False)])
+@pytest.mark.parametrize("groups", [(), (3,)])
+def test_pair_norms_sq_uses_it_for_few_rows(rows, used, groups, monkeypatch) -> None:
+    """cost.pair_norms_sq takes the kernel for a ghost norm of at most
+    _GHOST_KERNEL_ROWS rows (groups summed), and bmm above; both exact."""
+    calls = []
+    monkeypatch.setattr(cost, "_GHOST_KERNEL", lambda a, g: calls.append(a.shape) or ghost_norms_sq(a, g))
+    gen = torch.Generator().manual_seed(rows)
+    a = torch.randn(4, *groups, rows, 256, generator=gen, dtype=torch.float64)
+    g = torch.randn(4, *groups, rows, 300, generator=gen, dtype=torch.float64)
+    assert cost.ghost_is_cheaper(rows, 256, 300)
+    got = cost.pair_norms_sq(a, g)
+    want = materialized(a.flatten(0, -3), g.flatten(0, -3)).view(4, -1).sum(1)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert bool(calls) == used
