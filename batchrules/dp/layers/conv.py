@@ -45,32 +45,13 @@ from ..cost import chunked, ghost_is_cheaper, pair_norms_sq, sq_norms, transient
 from ..gemm import clipped_gemm
 from ..rule import NOT_HANDLED, Factors, Use, autocast_matches, batched, bind, physical, register
 from ..tape import Param, Tape, tap, weight_for
+from .conv_geometry import explicit_padding, ints, pixel_tap
 from .linear import shared_bias, writable
 
 _CONV_ARGS = (("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
               (None, 1, 0, 1, 1))
 _CONV = {1: F.conv1d, 2: F.conv2d}
 _GEMM_ROWS = 4  # Note [Convolutions with few output positions]
-
-
-def _ints(value: Any, dims: int) -> Optional[Tuple[int, ...]]:
-    values = tuple(value) if isinstance(value, (tuple, list)) else (value,) * dims
-    if len(values) == 1:
-        values = values * dims
-    return values if len(values) == dims and all(type(v) is int for v in values) else None
-
-
-def _padding(padding: Any, kernel: Tuple[int, ...], stride: Tuple[int, ...],
-             dilation: Tuple[int, ...]) -> Optional[Tuple[int, ...]]:
-    """Explicit symmetric padding, or None for what F.unfold cannot express."""
-    if padding == "valid":
-        return (0,) * len(kernel)
-    if padding == "same":
-        totals = [d * (k - 1) for k, d in zip(kernel, dilation)]
-        if any(s != 1 for s in stride) or any(t % 2 for t in totals):
-            return None  # asymmetric (or invalid): the generic path handles it
-        return tuple(t // 2 for t in totals)
-    return _ints(padding, len(kernel))
 
 
 @register
@@ -99,6 +80,8 @@ class ConvUse(Use):
         return {self.weight: "weight", **({self.bias: "bias"} if self.bias is not None else {})}
 
     def set_grad(self, grad: Optional[Tensor]) -> None:
+        if grad is not None and grad.dim() == 2:  # Note [A convolution over one pixel]
+            grad = grad.view(*grad.shape, *[1] * len(self.stride))
         self.grad = grad
         if grad is not None:
             self.input = self.input.to(grad.dtype)  # Note [clipped_grad under autocast]
@@ -259,10 +242,10 @@ class ConvUse(Use):
         if weight is None or a is None or w.dim() - 2 not in _CONV or type(groups) is not int:
             return NOT_HANDLED
         dims = w.dim() - 2
-        stride, dilation = _ints(stride, dims), _ints(dilation, dims)
+        stride, dilation = ints(stride, dims), ints(dilation, dims)
         if stride is None or dilation is None:
             return NOT_HANDLED
-        padding = _padding(padding, tuple(w.shape[2:]), stride, dilation)
+        padding = explicit_padding(padding, tuple(w.shape[2:]), stride, dilation)
         per_sample_dims = a.dim() - 1
         if per_sample_dims in (dims + 1, dims + 2) and a.shape[-dims - 1] != w.shape[1] * groups:
             raise RuntimeError(
@@ -282,9 +265,17 @@ class ConvUse(Use):
         folded = a.reshape(-1, *a.shape[-dims - 1:])  # B*N, C, *spatial
         w_op = weight_for(w, folded.requires_grad
                           or (b is not None and bias is None and b.requires_grad))
-        out = _CONV[dims](folded, w_op, b.detach() if bias is not None else b, stride, padding,
-                          dilation, groups)
-        use = cls(weight, bias, folded, batch, stride, padding, dilation, groups, tap(out))
+        b_op = b.detach() if bias is not None else b
+        pixel = pixel_tap(tuple(folded.shape[2:]), tuple(w.shape[2:]), stride, padding, dilation)
+        if pixel is not None and groups == 1:  # Note [A convolution over one pixel]
+            # the tap's [O, C] slice made contiguous once, for the forward's GEMM and the backward's
+            w_tap = w_op[(..., *pixel)].contiguous()
+            flat = F.linear(folded.flatten(1), w_tap, b_op)  # B*N,C x O,C -> B*N,O
+            edge, out = tap(flat), flat.view(*flat.shape, *[1] * dims)
+        else:
+            out = _CONV[dims](folded, w_op, b_op, stride, padding, dilation, groups)
+            edge = tap(out)
+        use = cls(weight, bias, folded, batch, stride, padding, dilation, groups, edge)
         tape.record(use, (folded,), "convolution")
         lead = a.shape[1:-dims - 1]  # (N,) or ()
         if lead:  # per-sample [N, O, *spatial]: vmap cannot query a channels-last layout there
