@@ -5,6 +5,7 @@
 #include <ATen/functorch/BatchedTensorImpl.h>
 #include <ATen/functorch/TensorWrapper.h>
 #include <c10/core/SymInt.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <c10/util/Exception.h>
 
@@ -177,6 +178,15 @@ inline bool batched_at_level_through_wrappers(const Tensor& t, int64_t level) {
     cur = wrapper->value();
   }
   return false;
+}
+
+// Whether `t` is being traced for torch.compile (AOTAutograd's functional and
+// fake tensors carry the Python key, under its dispatch modes): rules then
+// keep GEMMs and adds apart as functorch emits them (Note [GEMM and bias
+// apart when traced], linear/batch_rule_linear.cpp).
+inline bool traced_for_compile(const Tensor& t) {
+  return t.key_set().has(c10::DispatchKey::Python) ||
+         c10::impl::TorchDispatchModeTLS::any_modes_set();
 }
 
 }  // namespace batchrules

@@ -58,17 +58,10 @@
 #include "linear/shape_checks.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/impl/TorchDispatchModeTLS.h>
 
 namespace batchrules {
 
 namespace {
-
-// See Note [GEMM and bias apart when traced].
-bool traced_for_compile(const Tensor& t) {
-  return t.key_set().has(c10::DispatchKey::Python) ||
-         c10::impl::TorchDispatchModeTLS::any_modes_set();
-}
 
 // A physical bias laid out to broadcast against a batch-first output of
 // logical rank out_rank: batch dim (size 1 when shared) first, then padded

@@ -4,6 +4,8 @@
 
 #include "common/batching_utils.h"
 
+#include <c10/core/Scalar.h>
+
 #include <array>
 #include <optional>
 #include <tuple>
@@ -21,5 +23,11 @@ linear_backward_batch_rule(const Tensor& self, std::optional<int64_t> self_bdim,
                            const Tensor& grad_output, std::optional<int64_t> grad_output_bdim,
                            const Tensor& weight, std::optional<int64_t> weight_bdim,
                            std::array<bool, 3> output_mask);
+
+// aten::addmm with only mat1 batched and a row bias: Note [Folding addmm's
+// batch into its rows] (batch_rule_addmm.cpp).
+BatchedResult addmm_row_bias_batch_rule(const Tensor& self, const Tensor& mat1,
+                                        int64_t mat1_bdim, const Tensor& mat2,
+                                        const c10::Scalar& beta, const c10::Scalar& alpha);
 
 }  // namespace batchrules

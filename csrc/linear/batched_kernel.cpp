@@ -1,11 +1,15 @@
 // FuncTorchBatched kernels of the linear family: the rules of batch_rule_*.cpp
-// behind the shared plumbing (Note [Hand-written vmap plumbing]).
+// behind the shared plumbing (Note [Hand-written vmap plumbing]); aten::addmm's
+// is registered by routes.cpp while routing is on.
+#include "linear/batched_kernel.h"
+
 #include "common/autocast.h"
 #include "common/vmap_plumbing.h"
 #include "linear/autocast.h"
 #include "linear/batch_rules.h"
 #include "ops.h"
 
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
 namespace batchrules {
@@ -48,7 +52,47 @@ TensorTriple linear_backward_batched(const Tensor& self, const Tensor& grad_outp
   return {wrap_at(gi, gi_bdim, level), wrap_at(gw, gw_bdim, level), wrap_at(gb, gb_bdim, level)};
 }
 
+// Whether addmm at `level` takes the folded rule: Note [Folding addmm's batch
+// into its rows]. Sizes and dims here are the per-example (logical) ones.
+bool addmm_folds(const Tensor& self, const Tensor& mat1, const Tensor& mat2, int64_t level) {
+  if (!batched_at(mat1, level) || any_batched_at(level, self, mat2) ||
+      autocast_enabled_for(mat1) || traced_for_compile(self) || traced_for_compile(mat1) ||
+      traced_for_compile(mat2) || mat1.dim() != 2 || mat2.dim() != 2 ||
+      mat1.sym_size(1) != mat2.sym_size(0) || self.scalar_type() != mat1.scalar_type() ||
+      mat2.scalar_type() != mat1.scalar_type()) {
+    return false;
+  }
+  const c10::SymInt& out_features = mat2.sym_size(1);
+  const auto row = [&](const c10::SymInt& n) { return n == out_features || n == 1; };
+  switch (self.dim()) {
+    case 0:
+      return true;
+    case 1:
+      return row(self.sym_size(0));
+    case 2:
+      return self.sym_size(0) == 1 && row(self.sym_size(1));
+    default:
+      return false;
+  }
+}
+
 }  // namespace
+
+Tensor addmm_batched(const Tensor& self, const Tensor& mat1, const Tensor& mat2,
+                     const c10::Scalar& beta, const c10::Scalar& alpha) {
+  const auto layer = at::functorch::maybeCurrentDynamicLayer();
+  if (layer.has_value() && addmm_folds(self, mat1, mat2, layer->layerId())) {
+    const BatchedKernelScope scope("aten::addmm");
+    const int64_t level = scope.level();
+    auto [x, x_bdim] = unwrap_at(mat1, level);
+    auto [s, s_bdim] = unwrap_at(self, level);
+    auto [w, w_bdim] = unwrap_at(mat2, level);
+    auto [out, out_bdim] = addmm_row_bias_batch_rule(s, x, *x_bdim, w, beta, alpha);
+    return wrap_at(out, out_bdim, level);
+  }
+  // functorch's own decomposition (it has no addmm rule), batched by its rules
+  return at::add(self * beta, at::mm(mat1, mat2), alpha);
+}
 
 TORCH_LIBRARY_IMPL(batchrules, FuncTorchBatched, m) {
   m.impl("linear", TORCH_FN(linear_batched));

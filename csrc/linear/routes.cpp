@@ -1,6 +1,8 @@
 // aten::linear under transforms runs batchrules::linear instead of
-// functorch's linear_hack decomposition (see Note [Routing aten ops only
-// while transforms are active]).
+// functorch's linear_hack decomposition, and aten::addmm under vmap folds its
+// batch into its rows (Note [Folding addmm's batch into its rows]); see Note
+// [Routing aten ops only while transforms are active].
+#include "linear/batched_kernel.h"
 #include "ops.h"
 #include "routing.h"
 
@@ -17,6 +19,7 @@ Tensor routed_linear(const Tensor& input, const Tensor& weight,
 
 void add_linear_routes(RouteLibraries& libs) {
   libs.front_mode.impl("linear", TORCH_FN(routed_linear));
+  libs.batched.impl("addmm", TORCH_FN(addmm_batched));
 }
 
 }  // namespace batchrules
