@@ -84,10 +84,9 @@ Tensor addmm_batched(const Tensor& self, const Tensor& mat1, const Tensor& mat2,
   if (layer.has_value() && addmm_folds(self, mat1, mat2, layer->layerId())) {
     const BatchedKernelScope scope("aten::addmm");
     const int64_t level = scope.level();
+    // self and mat2 are not batched at this level: they are their own physical tensors
     auto [x, x_bdim] = unwrap_at(mat1, level);
-    auto [s, s_bdim] = unwrap_at(self, level);
-    auto [w, w_bdim] = unwrap_at(mat2, level);
-    auto [out, out_bdim] = addmm_row_bias_batch_rule(s, x, *x_bdim, w, beta, alpha);
+    auto [out, out_bdim] = addmm_row_bias_batch_rule(self, x, *x_bdim, mat2, beta, alpha);
     return wrap_at(out, out_bdim, level);
   }
   // functorch's own decomposition (it has no addmm rule), batched by its rules
