@@ -131,6 +131,14 @@ def routing_on() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(params=[False, True], ids=["routing_off", "routing_on"])
+def routing(request) -> Iterator[bool]:
+    """Run once with routing off and once on (a test's own parametrize of
+    ``routing`` takes precedence), restoring the previous state after."""
+    with batchrules.enabled(request.param):
+        yield request.param
+
+
 @pytest.fixture
 def fresh_dynamo() -> Iterator[None]:
     """Start and leave with dynamo's caches empty, so compiled graphs of one test

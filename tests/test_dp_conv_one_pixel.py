@@ -18,12 +18,6 @@ from dp_reference import assert_close_rel, loop_clipped_grad
 BATCH = 5
 
 
-@pytest.fixture(params=[False, True], ids=["routing_off", "routing_on"])
-def routing(request) -> bool:
-    with batchrules.enabled(request.param):
-        yield request.param
-
-
 @pytest.fixture
 def conv_calls(monkeypatch) -> List[int]:
     """The dims of every convolution the rule ran as a convolution."""

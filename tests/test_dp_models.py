@@ -23,12 +23,6 @@ from dp_reference import assert_close_rel, loop_clipped_grad
 BATCH = 5
 
 
-@pytest.fixture(params=[False, True], ids=["routing_off", "routing_on"])
-def routing(request) -> bool:
-    with batchrules.enabled(request.param):
-        yield request.param
-
-
 @pytest.fixture
 def kinds(monkeypatch) -> Dict[str, str]:
     """The kind (clipping.py) each parameter of the last clipped_grad call took."""
