@@ -11,7 +11,7 @@ from torch.func import functional_call
 
 import batchrules
 from dp_reference import assert_close_rel, loop_clipped_grad
-from test_dp_models import check_model, data, kinds, routing  # noqa: F401 (fixtures)
+from test_dp_models import check_model, data, kinds  # noqa: F401 (a fixture)
 
 
 class LastStep(nn.Module):
