@@ -20,10 +20,12 @@ def operands(batch, rows, in_f, out_f, dtype=torch.float64, seed=0):
             torch.randn(batch, rows, out_f, generator=gen, dtype=dtype))
 
 
-# Sizes around the 16 lanes (remainders, fewer than 16 features) and the row counts clipped_grad meets.
+# Sizes around the 16 lanes and the 4-row tiles (remainders, fewer than 16 features) and the
+# row counts clipped_grad meets.
 @pytest.mark.parametrize("batch, rows, in_f, out_f", [
     (1, 1, 1, 1), (3, 1, 5, 7), (4, 2, 16, 16), (5, 12, 128, 384), (2, 7, 17, 33),
-    (3, 20, 32, 512), (2, 32, 31, 15), (0, 4, 8, 8), (2, 0, 8, 8), (2, 3, 0, 8)])
+    (3, 20, 32, 512), (2, 32, 31, 15), (0, 4, 8, 8), (2, 0, 8, 8), (2, 3, 0, 8),
+    (2, 9, 5, 3), (1, 128, 40, 24)])  # every tile remainder; the 128 rows cost.py sends
 def test_equals_the_materialized_norm_in_float64(batch, rows, in_f, out_f) -> None:
     a, g = operands(batch, rows, in_f, out_f)
     got = ghost_norms_sq(a, g)

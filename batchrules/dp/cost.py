@@ -52,7 +52,7 @@ def transient_per_sample(rows: int, in_features: int, out_features: int) -> int:
 
 
 _GHOST_KERNEL = torch.ops.batchrules.ghost_norms_sq.default
-_GHOST_KERNEL_ROWS = 32  # Note [The ghost norm kernel] (csrc/ghost_norm/kernel.cpp)
+_GHOST_KERNEL_ROWS = 128  # Note [The ghost norm kernel] (csrc/ghost_norm/kernel.cpp)
 
 
 def _ghost_kernel_runs(a: Tensor, g: Tensor) -> bool:

@@ -6,14 +6,17 @@
 // aten's bmm of a sample's rows against themselves ([B, T, I] x [B, I, T])
 // runs at 8-20 GMAC/s for T <= 32 on one CPU thread (many small GEMMs, each
 // with its call overhead), and the ghost norm needs two of them plus a
-// product and a reduction. Here each sample's T(T+1)/2 pairs (the Grams are
-// symmetric) are dot products of contiguous rows, each with 16 independent
-// accumulators that the compiler turns into SIMD lanes, the best of AVX-512,
-// AVX2 and the baseline chosen at load time (target_clones). The pairs'
-// products are summed in double. Measured (1 thread, AMD EPYC, float32):
-// B 32, T 12, I 128, O 384: 58 against 139 us; T 20, I 128, O 512: 191
-// against 311 us; from T = 64 on, bmm is as fast (1.5 ms either way at B 16,
-// I 256, O 768), hence dp/cost.py calls this for short row counts only.
+// product and a reduction. Here each sample's two Gram matrices are formed in
+// their lower triangles only (they are symmetric), each row against four
+// earlier rows at a time: the row is loaded once for four dot products, whose
+// 4 x 16 independent accumulators the compiler turns into SIMD lanes, the
+// best of AVX-512, AVX2 and the baseline chosen at load time
+// (target_clones). One dot product per call was bound by its loads and its
+// horizontal sum, 1.4-2x slower. The Grams' products are summed in double.
+// Measured (1 thread, AMD EPYC, float32, against the two bmms): B 32, T 12,
+// I 128, O 384: 42 against 139 us; T 20, I 128, O 512: 132 against 311 us;
+// B 16, T 64, I = O = 768: 2.4 against 2.6 ms; T 128: 8.0 against 9.4 ms,
+// so dp/cost.py calls it up to 128 rows.
 #include "ghost_norm/shape_checks.h"
 
 #include <ATen/ATen.h>
@@ -21,14 +24,56 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <vector>
+
 namespace batchrules {
 
 namespace {
 
 constexpr int kLanes = 16;
 
+inline constexpr int kTile = 4;
+
 template <typename T>
-inline T dot_lanes(const T* x, const T* y, int64_t n) {
+inline T lane_sum(const T* acc) {
+  T sum = 0;
+  for (int j = 0; j < kLanes; ++j) {
+    sum += acc[j];
+  }
+  return sum;
+}
+
+// x . y0 .. x . y3 at once: x is loaded once for four products, and the
+// 4 x kLanes independent accumulators become SIMD lanes.
+template <typename T>
+inline void dots4(const T* __restrict x, const T* __restrict y0, const T* __restrict y1,
+                  const T* __restrict y2, const T* __restrict y3, int64_t n, T* out) {
+  T a0[kLanes] = {}, a1[kLanes] = {}, a2[kLanes] = {}, a3[kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const T v = x[k + j];
+      a0[j] += v * y0[k + j];
+      a1[j] += v * y1[k + j];
+      a2[j] += v * y2[k + j];
+      a3[j] += v * y3[k + j];
+    }
+  }
+  T s0 = lane_sum(a0), s1 = lane_sum(a1), s2 = lane_sum(a2), s3 = lane_sum(a3);
+  for (; k < n; ++k) {
+    s0 += x[k] * y0[k];
+    s1 += x[k] * y1[k];
+    s2 += x[k] * y2[k];
+    s3 += x[k] * y3[k];
+  }
+  out[0] = s0;
+  out[1] = s1;
+  out[2] = s2;
+  out[3] = s3;
+}
+
+template <typename T>
+inline T dot1(const T* __restrict x, const T* __restrict y, int64_t n) {
   T acc[kLanes] = {};
   int64_t k = 0;
   for (; k + kLanes <= n; k += kLanes) {
@@ -36,44 +81,62 @@ inline T dot_lanes(const T* x, const T* y, int64_t n) {
       acc[j] += x[k + j] * y[k + j];
     }
   }
-  T sum = 0;
-  for (int j = 0; j < kLanes; ++j) {
-    sum += acc[j];
-  }
+  T sum = lane_sum(acc);
   for (; k < n; ++k) {
     sum += x[k] * y[k];
   }
   return sum;
 }
 
-// One function per dtype: target_clones takes plain (non-template, not overloaded) functions.
-__attribute__((target_clones("avx512f", "avx2", "default"))) float dot_float(const float* x,
-                                                                             const float* y,
-                                                                             int64_t n) {
-  return dot_lanes(x, y, n);
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default"))) double dot_double(const double* x,
-                                                                               const double* y,
-                                                                               int64_t n) {
-  return dot_lanes(x, y, n);
-}
-
-inline float dot(const float* x, const float* y, int64_t n) { return dot_float(x, y, n); }
-inline double dot(const double* x, const double* y, int64_t n) { return dot_double(x, y, n); }
-
-// One sample: a [T, I], g [T, O], both contiguous.
+// The lower triangle of one sample's Gram matrix, gram[t * rows + s] =
+// x_t . x_s for s <= t, of contiguous rows x [rows, n]: each row against
+// four earlier ones at a time.
 template <typename T>
-double sample_norm_sq(const T* a, const T* g, int64_t rows, int64_t in, int64_t out) {
+inline void gram_lower(const T* x, int64_t rows, int64_t n, T* gram) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* xt = x + t * n;
+    T* out = gram + t * rows;
+    int64_t s = 0;
+    for (; s + kTile <= t + 1; s += kTile) {
+      dots4(xt, x + s * n, x + (s + 1) * n, x + (s + 2) * n, x + (s + 3) * n, n, out + s);
+    }
+    for (; s <= t; ++s) {
+      out[s] = dot1(xt, x + s * n, n);
+    }
+  }
+}
+
+// One function per dtype: target_clones takes plain (non-template, not overloaded) functions.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void gram_float(
+    const float* x, int64_t rows, int64_t n, float* gram) {
+  gram_lower(x, rows, n, gram);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void gram_double(
+    const double* x, int64_t rows, int64_t n, double* gram) {
+  gram_lower(x, rows, n, gram);
+}
+
+inline void gram(const float* x, int64_t rows, int64_t n, float* out) {
+  gram_float(x, rows, n, out);
+}
+inline void gram(const double* x, int64_t rows, int64_t n, double* out) {
+  gram_double(x, rows, n, out);
+}
+
+// One sample: a [T, I], g [T, O], both contiguous; ga, gg: T*T scratch.
+template <typename T>
+double sample_norm_sq(const T* a, const T* g, int64_t rows, int64_t in, int64_t out, T* ga,
+                      T* gg) {
+  gram(a, rows, in, ga);
+  gram(g, rows, out, gg);
   double diagonal = 0;
   double off_diagonal = 0;  // the pairs s < t, each standing for (s, t) and (t, s)
   for (int64_t t = 0; t < rows; ++t) {
     for (int64_t s = 0; s < t; ++s) {
-      off_diagonal += static_cast<double>(dot(a + t * in, a + s * in, in)) *
-                      static_cast<double>(dot(g + t * out, g + s * out, out));
+      off_diagonal += static_cast<double>(ga[t * rows + s]) * static_cast<double>(gg[t * rows + s]);
     }
-    diagonal += static_cast<double>(dot(a + t * in, a + t * in, in)) *
-                static_cast<double>(dot(g + t * out, g + t * out, out));
+    diagonal += static_cast<double>(ga[t * rows + t]) * static_cast<double>(gg[t * rows + t]);
   }
   return diagonal + 2 * off_diagonal;
 }
@@ -90,9 +153,11 @@ at::Tensor ghost_norms_sq_cpu(const at::Tensor& rows_in, const at::Tensor& grads
     const scalar_t* g = grads.const_data_ptr<scalar_t>();
     scalar_t* norms = result.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      std::vector<scalar_t> grams(2 * steps * steps);
       for (int64_t b = begin; b < end; ++b) {
-        norms[b] = static_cast<scalar_t>(
-            sample_norm_sq(a + b * steps * in, g + b * steps * out, steps, in, out));
+        norms[b] = static_cast<scalar_t>(sample_norm_sq(a + b * steps * in, g + b * steps * out,
+                                                        steps, in, out, grams.data(),
+                                                        grams.data() + steps * steps));
       }
     });
   });
