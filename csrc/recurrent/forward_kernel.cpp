@@ -10,6 +10,7 @@
 // depends only on the forward's saved gates out of the loop: the gates'
 // derivative coefficients are computed for all steps at once, so a step of
 // the backward is its GEMM and three or four pointwise ops.
+#include "recurrent/lstm_cell_cpu.h"
 #include "recurrent/recurrence.h"
 
 #include <ATen/ATen.h>
@@ -21,6 +22,7 @@ namespace {
 struct Buffers {
   Tensor output, workspace, gates, scratch;
   Tensor one;  // See Note [tanh as a sigmoid]
+  bool fused = false;  // the LSTM cell as one CPU loop (Note [The fused LSTM cell])
 };
 
 // i,f,g,o,c (+ h before the projection) into the workspace row; h into out_t.
@@ -30,22 +32,30 @@ void lstm_step(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& c,
                const Tensor& bias, const Tensor& w_hh_t, const Tensor& w_hr_t, int64_t t,
                int64_t H) {
   at::baddbmm_out(b.gates, x_t, h, w_hh_t);
+  Tensor ws = b.workspace.select(0, t);
+  Tensor act = ws.narrow(-1, 0, 4 * H);
+  Tensor c_new = ws.narrow(-1, 4 * H, H);
+  Tensor out_t = b.output.select(0, t);
+  if (b.fused) {  // Note [The fused LSTM cell]
+    Tensor h_new = w_hr_t.defined() ? ws.narrow(-1, 5 * H, H) : out_t;
+    lstm_cell_forward_cpu(b.gates, bias, c, act, c_new, h_new);
+    if (w_hr_t.defined()) {
+      at::bmm_out(out_t, h_new, w_hr_t);  // E,N,H x E,H,P -> E,N,P
+    }
+    return;
+  }
   if (bias.defined()) {
     b.gates.add_(bias);
   }
   Tensor g_pre = b.gates.narrow(-1, 2 * H, H);
   g_pre.add_(g_pre);
-  Tensor ws = b.workspace.select(0, t);
-  Tensor act = ws.narrow(-1, 0, 4 * H);
   at::sigmoid_out(act, b.gates);
   Tensor g = act.narrow(-1, 2 * H, H);
   g.add_(g).sub_(b.one);
-  Tensor c_new = ws.narrow(-1, 4 * H, H);
   at::mul_out(c_new, act.narrow(-1, H, H), c);      // f c
   c_new.addcmul_(act.narrow(-1, 0, H), g);          // + i g
   at::add_out(b.scratch, c_new, c_new);
   b.scratch.sigmoid_().add_(b.scratch).sub_(b.one);  // tanh(c')
-  Tensor out_t = b.output.select(0, t);
   if (!w_hr_t.defined()) {
     at::mul_out(out_t, act.narrow(-1, 3 * H, H), b.scratch);
     return;
@@ -106,10 +116,14 @@ RecurrenceOutputs recurrence_forward_kernel(const Tensor& input_gates, const Ten
   const Tensor w_hh_t = w_hh.transpose(1, 2);                          // E,P,GH
   const Tensor w_hr_t = w_hr.defined() ? w_hr.transpose(1, 2) : w_hr;  // E,H,P
   const bool gru = mode == RnnMode::Gru;
-  const Tensor bias = b_hh.defined() ? b_hh.unsqueeze(1) : b_hh;  // E,1,GH
+  b.fused = mode == RnnMode::Lstm && lstm_cell_fusable(b.gates);
+  // E,1,GH; the fused cell reads rows with a unit stride, zeros for none
+  const Tensor bias = !b.fused       ? (b_hh.defined() ? b_hh.unsqueeze(1) : b_hh)
+                      : b_hh.defined() ? b_hh.unsqueeze(1).contiguous()
+                                       : at::zeros({E, 1, GH}, options);
   const Tensor& x = input_gates;
 
-  Tensor h = h0, c = c0;
+  Tensor h = h0, c = b.fused ? c0.contiguous() : c0;
   for (int64_t s = 0; s < T; ++s) {
     const int64_t t = reverse ? T - 1 - s : s;
     const Tensor x_t = x.select(0, t);

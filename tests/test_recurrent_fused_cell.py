@@ -1,0 +1,94 @@
+"""The fused LSTM cell of rnn_recurrence's CPU kernel (Note [The fused LSTM
+cell], csrc/recurrent/lstm_cell_cpu.cpp): float32 runs it, float64 the aten
+ops, so each float32 result is checked against the float64 one."""
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import grad, vmap
+
+import batchrules
+
+recurrence = torch.ops.batchrules.rnn_recurrence.default
+LSTM = 0
+
+
+def operands(E, N, H, P=None, bias=True, scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    P = P or H
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    return dict(input_gates=scale * r(7, E, N, 4 * H), h0=r(E, N, P), c0=r(E, N, H),
+                w_hh=0.3 * r(E, 4 * H, P), b_hh=r(E, 4 * H) if bias else None,
+                w_hr=0.3 * r(E, P, H) if P != H else None)
+
+
+def run(ops, dtype, reverse=False, c0_transposed=False):
+    ops = {k: None if v is None else v.to(dtype) for k, v in ops.items()}
+    if c0_transposed:  # a c0 whose rows are not contiguous
+        ops["c0"] = ops["c0"].transpose(1, 2).contiguous().transpose(1, 2)
+    return recurrence(ops["input_gates"], ops["h0"], ops["c0"], ops["w_hh"], ops["b_hh"],
+                      ops["w_hr"], LSTM, reverse)
+
+
+@pytest.mark.parametrize("E, N, H, P", [(1, 1, 1, None), (1, 5, 7, None), (3, 4, 16, None),
+                                        (2, 3, 33, None), (2, 3, 20, 6)])
+@pytest.mark.parametrize("bias, reverse", list(itertools.product([True, False], [False, True])))
+def test_values_and_workspace_equal_float64(E, N, H, P, bias, reverse) -> None:
+    ops = operands(E, N, H, P, bias)
+    got = run(ops, torch.float32, reverse, c0_transposed=True)
+    want = run(ops, torch.float64, reverse)
+    for name, g, w in zip(("output", "h_n", "c_n", "workspace"), got, want):
+        assert g.dtype == torch.float32, name
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=2e-6, msg=name)
+
+
+@pytest.mark.parametrize("scale", [30.0, 1e3, 1e6])
+def test_saturated_gates_stay_finite_and_exact(scale) -> None:
+    """Pre-activations far past exp's float32 range: sigmoid 0/1, tanh -1/1."""
+    ops = operands(2, 3, 9, scale=scale)
+    got, want = run(ops, torch.float32), run(ops, torch.float64)
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=2e-6)
+
+
+def test_gradients_through_the_fused_workspace() -> None:
+    """The backward reads the activations the fused cell saved."""
+    ops = operands(2, 4, 12, bias=True, seed=3)
+    grads = {}
+    for dtype in (torch.float32, torch.float64):
+        leaves = {k: v.to(dtype).requires_grad_() for k, v in ops.items() if v is not None}
+        out, h_n, c_n, _ = recurrence(leaves["input_gates"], leaves["h0"], leaves["c0"],
+                                      leaves["w_hh"], leaves["b_hh"], None, LSTM, False)
+        loss = out.sin().sum() + h_n.square().sum() + c_n.sum()
+        grads[dtype] = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+    for k, g in grads[torch.float32].items():
+        torch.testing.assert_close(g.double(), grads[torch.float64][k], rtol=1e-4, atol=1e-5,
+                                   msg=k)
+
+
+def test_per_sample_grads_of_an_lstm_in_float32() -> None:
+    """vmap(grad) of an nn.LSTM classifier (the recurrence with shared
+    weights), float32 against float64 per-sample autograd."""
+    torch.manual_seed(0)
+    lstm, head = nn.LSTM(5, 8, batch_first=True), nn.Linear(8, 3)
+    x, y = torch.randn(6, 4, 5), torch.randint(0, 3, (6,))
+
+    def loss(p, xi, yi):
+        out = torch.func.functional_call(lstm, {k[5:]: v for k, v in p.items() if k[:5] == "lstm."},
+                                         (xi.unsqueeze(0),))[0]
+        logits = F.linear(out[:, -1], p["head.weight"], p["head.bias"])
+        return F.cross_entropy(logits, yi.unsqueeze(0))
+
+    params = {**{f"lstm.{k}": v.detach() for k, v in lstm.named_parameters()},
+              **{f"head.{k}": v.detach() for k, v in head.named_parameters()}}
+    with batchrules.enabled():
+        got = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    p64 = {k: v.double() for k, v in params.items()}
+    lstm.double()
+    for i in range(len(x)):
+        want = grad(loss)(p64, x[i].double(), y[i])
+        for k in want:
+            torch.testing.assert_close(got[k][i].double(), want[k], rtol=1e-4, atol=1e-5, msg=k)
