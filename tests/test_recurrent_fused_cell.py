@@ -1,6 +1,7 @@
-"""The fused LSTM cell of rnn_recurrence's CPU kernel (Note [The fused LSTM
-cell], csrc/recurrent/lstm_cell_cpu.cpp): float32 runs it, float64 the aten
-ops, so each float32 result is checked against the float64 one."""
+"""The fused LSTM cell of rnn_recurrence's CPU kernels, forward and backward
+(Note [The fused LSTM cell], csrc/recurrent/lstm_cell_cpu.cpp): float32 runs
+it, float64 the aten ops, so each float32 result is checked against the
+float64 one."""
 import itertools
 
 import pytest
@@ -54,14 +55,17 @@ def test_saturated_gates_stay_finite_and_exact(scale) -> None:
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=2e-6)
 
 
-def test_gradients_through_the_fused_workspace() -> None:
-    """The backward reads the activations the fused cell saved."""
-    ops = operands(2, 4, 12, bias=True, seed=3)
+@pytest.mark.parametrize("P, reverse", [(None, False), (None, True), (5, False), (5, True)])
+def test_gradients_equal_float64(P, reverse) -> None:
+    """The fused backward (float32) against the aten ops' (float64), from the
+    activations the fused forward saved; with and without a projection."""
+    ops = operands(2, 4, 12, P, bias=True, seed=3)
     grads = {}
     for dtype in (torch.float32, torch.float64):
         leaves = {k: v.to(dtype).requires_grad_() for k, v in ops.items() if v is not None}
         out, h_n, c_n, _ = recurrence(leaves["input_gates"], leaves["h0"], leaves["c0"],
-                                      leaves["w_hh"], leaves["b_hh"], None, LSTM, False)
+                                      leaves["w_hh"], leaves["b_hh"], leaves.get("w_hr"), LSTM,
+                                      reverse)
         loss = out.sin().sum() + h_n.square().sum() + c_n.sum()
         grads[dtype] = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
     for k, g in grads[torch.float32].items():

@@ -1,9 +1,12 @@
 // Backward through time of the grouped recurrence as the op's kernel runs it:
 // gate-derivative coefficients for all steps first, then per step one GEMM
 // and a few pointwise ops (Note [The recurrence kernels]).
+#include "recurrent/lstm_cell_cpu.h"
 #include "recurrent/recurrence.h"
 
 #include <ATen/ATen.h>
+
+#include <utility>
 
 namespace batchrules {
 
@@ -29,6 +32,35 @@ struct Loop {
     return grad_output.defined() ? dh + grad_output.select(0, t) : dh;
   }
 };
+
+// The same with the step's pointwise part as one CPU loop (Note [The fused
+// LSTM cell]): nothing computed ahead for all steps, two dc buffers in turn.
+void lstm_backward_fused(const Loop& loop, Tensor dh, Tensor dc, const Tensor& c0,
+                         const Tensor& w_hh, const Tensor& w_hr, const Tensor& workspace,
+                         RecurrenceGrads& grads) {
+  const int64_t H = c0.size(-1);
+  const Tensor act = workspace.narrow(-1, 0, 4 * H), c = workspace.narrow(-1, 4 * H, H);
+  const Tensor c_first = c0.contiguous();
+  Tensor dc_next = at::empty_like(dc), dh_raw;
+  for (int64_t s = 0; s < loop.T; ++s) {
+    const int64_t t = loop.reverse ? s : loop.T - 1 - s;
+    const int64_t prev = loop.reverse ? t + 1 : t - 1;  // the step the forward ran before t
+    const Tensor dh_t = loop.incoming(dh, t);
+    if (w_hr.defined()) {
+      grads.projected.select(0, t).copy_(dh_t);
+      dh_raw = at::bmm(dh_t, w_hr);  // E,N,P x E,P,H -> E,N,H
+    } else {
+      dh_raw = dh_t.contiguous();
+    }
+    Tensor d_t = grads.input_gates.select(0, t);  // E,N,4H
+    const Tensor c_prev = prev < 0 || prev >= loop.T ? c_first : c.select(0, prev);
+    lstm_cell_backward_cpu(dh_raw, dc, act.select(0, t), c.select(0, t), c_prev, d_t, dc_next);
+    std::swap(dc, dc_next);
+    dh = at::bmm(d_t, w_hh);  // E,N,GH x E,GH,P -> E,N,P
+  }
+  grads.h0 = dh;
+  grads.c0 = dc;
+}
 
 // dc* = dc + dh o (1 - tanh²c);  [di, df, dg] = dc* [g s'(i), c_prev s'(f), i (1-g²)];
 // do = dh tanh(c) s'(o);  dc_prev = dc* f;  dh_prev = dgates W_hh
@@ -135,7 +167,9 @@ RecurrenceGrads recurrence_backward_kernel(const Tensor& grad_output, const Tens
     return grads;
   }
   const Loop loop{grad_output, mode, reverse, T};
-  if (mode == RnnMode::Lstm) {
+  if (mode == RnnMode::Lstm && lstm_cell_fusable(workspace)) {
+    lstm_backward_fused(loop, dh, dc.contiguous(), c0, w_hh, w_hr, workspace, grads);
+  } else if (mode == RnnMode::Lstm) {
     lstm_backward(loop, dh, dc, c0, w_hh, w_hr, workspace, grads);
   } else if (mode == RnnMode::Gru) {
     gru_backward(loop, dh, h0, w_hh, output, workspace, grads);

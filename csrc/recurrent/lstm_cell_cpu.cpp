@@ -78,6 +78,25 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void lstm_row(
   }
 }
 
+// One row of the step's backward, with tc = tanh(c') recomputed:
+// dc* = dc + dh o (1 - tc^2);  [di, df, dg] = dc* [g i(1-i), c f(1-f), i (1-g^2)];
+// do = dh tc o(1-o);  dc_prev = dc* f.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void lstm_row_backward(
+    const float* __restrict dh, const float* __restrict dc, const float* __restrict act,
+    const float* __restrict c_new, const float* __restrict c, float* __restrict d_gates,
+    float* __restrict dc_prev, int64_t H) {
+  for (int64_t j = 0; j < H; ++j) {
+    const float i = act[j], f = act[H + j], g = act[2 * H + j], o = act[3 * H + j];
+    const float tc = tanh_approx(c_new[j]);
+    const float dcs = dc[j] + dh[j] * o * (1.0f - tc * tc);
+    d_gates[j] = dcs * g * (i - i * i);
+    d_gates[H + j] = dcs * c[j] * (f - f * f);
+    d_gates[2 * H + j] = dcs * i * (1.0f - g * g);
+    d_gates[3 * H + j] = dh[j] * tc * (o - o * o);
+    dc_prev[j] = dcs * f;
+  }
+}
+
 // Pointer to row (e, n) of an E,N,* tensor.
 template <typename T>
 T* row(const at::Tensor& t, int64_t e, int64_t n) {
@@ -86,8 +105,8 @@ T* row(const at::Tensor& t, int64_t e, int64_t n) {
 
 }  // namespace
 
-bool lstm_cell_fusable(const at::Tensor& gates) {
-  return gates.scalar_type() == at::kFloat && gates.device().is_cpu() && gates.dim() == 3;
+bool lstm_cell_fusable(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat && t.device().is_cpu();
 }
 
 void lstm_cell_forward_cpu(const at::Tensor& gates, const at::Tensor& bias, const at::Tensor& c,
@@ -101,6 +120,24 @@ void lstm_cell_forward_cpu(const at::Tensor& gates, const at::Tensor& bias, cons
     for (int64_t n = 0; n < N; ++n) {
       lstm_row(row<const float>(gates, e, n), b_row, row<const float>(c, e, n),
                row<float>(act, e, n), row<float>(c_new, e, n), row<float>(h, e, n), H);
+    }
+  }
+}
+
+void lstm_cell_backward_cpu(const at::Tensor& dh, const at::Tensor& dc, const at::Tensor& act,
+                            const at::Tensor& c_new, const at::Tensor& c, at::Tensor& d_gates,
+                            at::Tensor& dc_prev) {
+  const int64_t E = dh.size(0), N = dh.size(1), H = dh.size(2);
+  for (const at::Tensor* t :
+       std::initializer_list<const at::Tensor*>{&dh, &dc, &act, &c_new, &c, &d_gates, &dc_prev}) {
+    TORCH_INTERNAL_ASSERT(t->stride(2) == 1 || t->size(2) <= 1);
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t n = 0; n < N; ++n) {
+      lstm_row_backward(row<const float>(dh, e, n), row<const float>(dc, e, n),
+                        row<const float>(act, e, n), row<const float>(c_new, e, n),
+                        row<const float>(c, e, n), row<float>(d_gates, e, n),
+                        row<float>(dc_prev, e, n), H);
     }
   }
 }

@@ -6,14 +6,23 @@
 
 namespace batchrules {
 
-// Whether lstm_cell_forward_cpu runs a recurrence whose step gates are these
-// (float32 on the CPU); its other operands must have contiguous rows.
-bool lstm_cell_fusable(const at::Tensor& gates);
+// Whether the fused cell runs a recurrence of t's dtype and device (float32
+// on the CPU); its operands must then have contiguous rows.
+bool lstm_cell_fusable(const at::Tensor& t);
 
 // pre = gates + bias (E,1,4H, contiguous rows; zeros for none); i,f,o = sigmoid, g = tanh of pre's parts;
 // act <- [i, f, g, o], c_new <- f c + i g, h <- o tanh(c_new). gates E,N,4H;
 // c, c_new, h E,N,H; act E,N,4H.
 void lstm_cell_forward_cpu(const at::Tensor& gates, const at::Tensor& bias, const at::Tensor& c,
                            at::Tensor& act, at::Tensor& c_new, at::Tensor& h);
+
+// The step's backward from dh (reaching h', after any projection) and dc
+// (reaching c'), the forward's act = [i, f, g, o] and c_new = c', and c,
+// the state the step started from: d_gates <- the gradient of the gate
+// pre-activations (E,N,4H), dc_prev <- that of c. All E,N,* with
+// contiguous rows; dc_prev must not alias dc.
+void lstm_cell_backward_cpu(const at::Tensor& dh, const at::Tensor& dc, const at::Tensor& act,
+                            const at::Tensor& c_new, const at::Tensor& c, at::Tensor& d_gates,
+                            at::Tensor& dc_prev);
 
 }  // namespace batchrules
