@@ -26,8 +26,9 @@ namespace batchrules {
 
 namespace {
 
-// e^x for x in float32's range (clamped: below -87 it is 0 to float32's
-// precision in a sigmoid, above 88 infinite).
+// e^x, x clamped to [-87, 88] so that 2^n stays a normal float32 (e^88 is
+// 1.7e38): a sigmoid or tanh there is already 0, 1 or -1 to float32's
+// precision.
 inline float exp_approx(float x) {
   x = x < -87.0f ? -87.0f : x;  // not std::min/max: declared before the pragma, not inlined
   x = x > 88.0f ? 88.0f : x;
