@@ -147,3 +147,34 @@ def test_norm_scales_are_exact(norm: str) -> None:
 
     assert_close_rel(batchrules.clipped_grad(loss, 0.5)(params, x, y),
                      loop_clipped_grad(loss, 0.5, (params, x, y)))
+
+
+def test_no_tensor_outlives_the_call_in_a_reference_cycle() -> None:
+    """What clipped_grad held (its leaves are views of the caller's tensors,
+    e.g. FSDP's unsharded parameters) is freed when it returns, not at the
+    next garbage collection: nothing it leaves in a cycle holds a tensor."""
+    import gc
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+
+    def loss(p, xi, yi):
+        return F.cross_entropy(functional_call(model, p, (xi,)), yi)
+
+    clipped = batchrules.clipped_grad(loss, 1.0)
+    clipped(params, x, y)
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        clipped(params, x, y)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cyclic = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was_enabled:
+            gc.enable()
+    assert cyclic == []

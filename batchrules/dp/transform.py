@@ -138,6 +138,11 @@ def _clipped_grad(loss: Callable[..., Any], max_norm: float, in_dims: Any, argnu
         _backward(losses, tape, params)
     with torch.no_grad(), _autocast_off(params):  # Note [clipped_grad under autocast]
         sums, norms = clip(params, tape.batch_size, max_norm)
+    # A Param and its uses refer to each other: cut that cycle, so that the
+    # leaves (views of the caller's tensors, e.g. FSDP's unsharded
+    # parameters) go with this call, not at some later garbage collection.
+    for p in params:
+        p.uses.clear()
     results = tuple(_trees(sums, specs))
     result = (results if isinstance(argnums, tuple) else results[0], norms)
     return (result, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, aux)) \
