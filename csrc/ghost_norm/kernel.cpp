@@ -7,16 +7,16 @@
 // runs at 8-20 GMAC/s for T <= 32 on one CPU thread (many small GEMMs, each
 // with its call overhead), and the ghost norm needs two of them plus a
 // product and a reduction. Here each sample's two Gram matrices are formed in
-// their lower triangles only (they are symmetric), each row against four
-// earlier rows at a time: the row is loaded once for four dot products, whose
-// 4 x 16 independent accumulators the compiler turns into SIMD lanes, the
-// best of AVX-512, AVX2 and the baseline chosen at load time
-// (target_clones). One dot product per call was bound by its loads and its
-// horizontal sum, 1.4-2x slower. The Grams' products are summed in double.
-// Measured (1 thread, AMD EPYC, float32, against the two bmms): B 32, T 12,
-// I 128, O 384: 42 against 139 us; T 20, I 128, O 512: 132 against 311 us;
-// B 16, T 64, I = O = 768: 2.4 against 2.6 ms; T 128: 8.0 against 9.4 ms,
-// so dp/cost.py calls it up to 128 rows.
+// their lower triangles only (they are symmetric), one row of each at a time
+// (no [T, T] scratch), the row against four earlier rows at once: it is
+// loaded once for four dot products, whose 4 x 16 independent accumulators
+// the compiler turns into SIMD lanes, the best of AVX-512, AVX2 and the
+// baseline chosen at load time (target_clones). One dot product per call was
+// bound by its loads and its horizontal sum, 1.4-2x slower. The Grams'
+// products are summed in double. Measured (1 thread, AMD EPYC, float32,
+// against the two bmms): B 32, T 12, I 128, O 384: 38 against 139 us; T 20,
+// I 128, O 512: 112 against 311 us; B 16, T 64, I = O = 768: 1.8 against
+// 2.2 ms; T 128: 7.5 against 8.8 ms, so dp/cost.py calls it up to 128 rows.
 #include "ghost_norm/shape_checks.h"
 
 #include <ATen/ATen.h>
@@ -88,55 +88,52 @@ inline T dot1(const T* __restrict x, const T* __restrict y, int64_t n) {
   return sum;
 }
 
-// The lower triangle of one sample's Gram matrix, gram[t * rows + s] =
-// x_t . x_s for s <= t, of contiguous rows x [rows, n]: each row against
-// four earlier ones at a time.
+// Row t of one sample's Gram matrix up to the diagonal, out[s] = x_t . x_s
+// for s <= t, of contiguous rows x [rows, n]: four earlier rows at a time.
 template <typename T>
-inline void gram_lower(const T* x, int64_t rows, int64_t n, T* gram) {
-  for (int64_t t = 0; t < rows; ++t) {
-    const T* xt = x + t * n;
-    T* out = gram + t * rows;
-    int64_t s = 0;
-    for (; s + kTile <= t + 1; s += kTile) {
-      dots4(xt, x + s * n, x + (s + 1) * n, x + (s + 2) * n, x + (s + 3) * n, n, out + s);
-    }
-    for (; s <= t; ++s) {
-      out[s] = dot1(xt, x + s * n, n);
-    }
+inline void gram_row(const T* x, int64_t t, int64_t n, T* out) {
+  const T* xt = x + t * n;
+  int64_t s = 0;
+  for (; s + kTile <= t + 1; s += kTile) {
+    dots4(xt, x + s * n, x + (s + 1) * n, x + (s + 2) * n, x + (s + 3) * n, n, out + s);
+  }
+  for (; s <= t; ++s) {
+    out[s] = dot1(xt, x + s * n, n);
   }
 }
 
 // One function per dtype: target_clones takes plain (non-template, not overloaded) functions.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void gram_float(
-    const float* x, int64_t rows, int64_t n, float* gram) {
-  gram_lower(x, rows, n, gram);
+__attribute__((target_clones("avx512f", "avx2", "default"))) void gram_row_float(
+    const float* x, int64_t t, int64_t n, float* out) {
+  gram_row(x, t, n, out);
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default"))) void gram_double(
-    const double* x, int64_t rows, int64_t n, double* gram) {
-  gram_lower(x, rows, n, gram);
+__attribute__((target_clones("avx512f", "avx2", "default"))) void gram_row_double(
+    const double* x, int64_t t, int64_t n, double* out) {
+  gram_row(x, t, n, out);
 }
 
-inline void gram(const float* x, int64_t rows, int64_t n, float* out) {
-  gram_float(x, rows, n, out);
+inline void gram(const float* x, int64_t t, int64_t n, float* out) {
+  gram_row_float(x, t, n, out);
 }
-inline void gram(const double* x, int64_t rows, int64_t n, double* out) {
-  gram_double(x, rows, n, out);
+inline void gram(const double* x, int64_t t, int64_t n, double* out) {
+  gram_row_double(x, t, n, out);
 }
 
-// One sample: a [T, I], g [T, O], both contiguous; ga, gg: T*T scratch.
+// One sample: a [T, I], g [T, O], both contiguous; ga, gg: T scratch each,
+// one row of each Gram at a time.
 template <typename T>
 double sample_norm_sq(const T* a, const T* g, int64_t rows, int64_t in, int64_t out, T* ga,
                       T* gg) {
-  gram(a, rows, in, ga);
-  gram(g, rows, out, gg);
   double diagonal = 0;
   double off_diagonal = 0;  // the pairs s < t, each standing for (s, t) and (t, s)
   for (int64_t t = 0; t < rows; ++t) {
+    gram(a, t, in, ga);
+    gram(g, t, out, gg);
     for (int64_t s = 0; s < t; ++s) {
-      off_diagonal += static_cast<double>(ga[t * rows + s]) * static_cast<double>(gg[t * rows + s]);
+      off_diagonal += static_cast<double>(ga[s]) * static_cast<double>(gg[s]);
     }
-    diagonal += static_cast<double>(ga[t * rows + t]) * static_cast<double>(gg[t * rows + t]);
+    diagonal += static_cast<double>(ga[t]) * static_cast<double>(gg[t]);
   }
   return diagonal + 2 * off_diagonal;
 }
@@ -153,11 +150,11 @@ at::Tensor ghost_norms_sq_cpu(const at::Tensor& rows_in, const at::Tensor& grads
     const scalar_t* g = grads.const_data_ptr<scalar_t>();
     scalar_t* norms = result.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-      std::vector<scalar_t> grams(2 * steps * steps);
+      std::vector<scalar_t> rows_of_grams(2 * steps);
       for (int64_t b = begin; b < end; ++b) {
         norms[b] = static_cast<scalar_t>(sample_norm_sq(a + b * steps * in, g + b * steps * out,
-                                                        steps, in, out, grams.data(),
-                                                        grams.data() + steps * steps));
+                                                        steps, in, out, rows_of_grams.data(),
+                                                        rows_of_grams.data() + steps));
       }
     });
   });
