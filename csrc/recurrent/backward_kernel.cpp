@@ -33,6 +33,18 @@ struct Loop {
   }
 };
 
+// The gradient reaching step t's LSTM h before any projection (dh_t W_hr),
+// keeping the projected one, dh_t, for the projection's weight gradient.
+Tensor lstm_incoming(const Loop& loop, const Tensor& dh, int64_t t, const Tensor& w_hr,
+                     RecurrenceGrads& grads) {
+  const Tensor dh_t = loop.incoming(dh, t);
+  if (!w_hr.defined()) {
+    return dh_t;
+  }
+  grads.projected.select(0, t).copy_(dh_t);
+  return at::bmm(dh_t, w_hr);  // E,N,P x E,P,H -> E,N,H
+}
+
 // The same with the step's pointwise part as one CPU loop (Note [The fused
 // LSTM cell]): nothing computed ahead for all steps, two dc buffers in turn.
 void lstm_backward_fused(const Loop& loop, Tensor dh, Tensor dc, const Tensor& c0,
@@ -41,17 +53,11 @@ void lstm_backward_fused(const Loop& loop, Tensor dh, Tensor dc, const Tensor& c
   const int64_t H = c0.size(-1);
   const Tensor act = workspace.narrow(-1, 0, 4 * H), c = workspace.narrow(-1, 4 * H, H);
   const Tensor c_first = c0.contiguous();
-  Tensor dc_next = at::empty_like(dc), dh_raw;
+  Tensor dc_next = at::empty_like(dc);
   for (int64_t s = 0; s < loop.T; ++s) {
     const int64_t t = loop.reverse ? s : loop.T - 1 - s;
     const int64_t prev = loop.reverse ? t + 1 : t - 1;  // the step the forward ran before t
-    const Tensor dh_t = loop.incoming(dh, t);
-    if (w_hr.defined()) {
-      grads.projected.select(0, t).copy_(dh_t);
-      dh_raw = at::bmm(dh_t, w_hr);  // E,N,P x E,P,H -> E,N,H
-    } else {
-      dh_raw = dh_t.contiguous();
-    }
+    const Tensor dh_raw = lstm_incoming(loop, dh, t, w_hr, grads).contiguous();
     Tensor d_t = grads.input_gates.select(0, t);  // E,N,4H
     const Tensor c_prev = prev < 0 || prev >= loop.T ? c_first : c.select(0, prev);
     lstm_cell_backward_cpu(dh_raw, dc, act.select(0, t), c.select(0, t), c_prev, d_t, dc_next);
@@ -77,16 +83,10 @@ void lstm_backward(const Loop& loop, Tensor dh, Tensor dc, const Tensor& c0, con
                                      sigmoid_slope(f), i * (1 - g * g)}, -2);
   const Tensor o_coef = tc * sigmoid_slope(o);
   const auto sizes = ifg_coef.sizes();
-  Tensor dcs = at::empty_like(dc), dh_raw;
+  Tensor dcs = at::empty_like(dc);
   for (int64_t s = 0; s < loop.T; ++s) {
     const int64_t t = loop.reverse ? s : loop.T - 1 - s;
-    const Tensor dh_t = loop.incoming(dh, t);
-    if (w_hr.defined()) {
-      grads.projected.select(0, t).copy_(dh_t);
-      dh_raw = at::bmm(dh_t, w_hr);  // E,N,P x E,P,H -> E,N,H
-    } else {
-      dh_raw = dh_t;
-    }
+    const Tensor dh_raw = lstm_incoming(loop, dh, t, w_hr, grads);
     at::addcmul_out(dcs, dc, dh_raw, dc_coef.select(0, t));
     const Tensor d_t = grads.input_gates.select(0, t);  // E,N,4H
     mul_into(d_t.narrow(-1, 0, 3 * H).view({sizes[1], sizes[2], 3, H}), ifg_coef.select(0, t),

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 
 // The clamp in exp_approx is a select that GCC only turns into vector code
 // when it need not preserve floating-point traps (which nothing here reads);
@@ -104,6 +105,13 @@ T* row(const at::Tensor& t, int64_t e, int64_t n) {
   return t.data_ptr<float>() + e * t.stride(0) + n * t.stride(1);
 }
 
+// The loops read and write whole rows: each operand's last dim is contiguous.
+void assert_contiguous_rows(std::initializer_list<const at::Tensor*> operands) {
+  for (const at::Tensor* t : operands) {
+    TORCH_INTERNAL_ASSERT(t->stride(2) == 1 || t->size(2) <= 1);
+  }
+}
+
 }  // namespace
 
 bool lstm_cell_fusable(const at::Tensor& t) {
@@ -113,9 +121,7 @@ bool lstm_cell_fusable(const at::Tensor& t) {
 void lstm_cell_forward_cpu(const at::Tensor& gates, const at::Tensor& bias, const at::Tensor& c,
                            at::Tensor& act, at::Tensor& c_new, at::Tensor& h) {
   const int64_t E = gates.size(0), N = gates.size(1), H = c.size(2);
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&gates, &bias, &c, &act, &c_new, &h}) {
-    TORCH_INTERNAL_ASSERT(t->stride(2) == 1 || t->size(2) <= 1);
-  }
+  assert_contiguous_rows({&gates, &bias, &c, &act, &c_new, &h});
   for (int64_t e = 0; e < E; ++e) {
     const float* b_row = bias.data_ptr<float>() + e * bias.stride(0);
     for (int64_t n = 0; n < N; ++n) {
@@ -129,10 +135,7 @@ void lstm_cell_backward_cpu(const at::Tensor& dh, const at::Tensor& dc, const at
                             const at::Tensor& c_new, const at::Tensor& c, at::Tensor& d_gates,
                             at::Tensor& dc_prev) {
   const int64_t E = dh.size(0), N = dh.size(1), H = dh.size(2);
-  for (const at::Tensor* t :
-       std::initializer_list<const at::Tensor*>{&dh, &dc, &act, &c_new, &c, &d_gates, &dc_prev}) {
-    TORCH_INTERNAL_ASSERT(t->stride(2) == 1 || t->size(2) <= 1);
-  }
+  assert_contiguous_rows({&dh, &dc, &act, &c_new, &c, &d_gates, &dc_prev});
   for (int64_t e = 0; e < E; ++e) {
     for (int64_t n = 0; n < N; ++n) {
       lstm_row_backward(row<const float>(dh, e, n), row<const float>(dc, e, n),

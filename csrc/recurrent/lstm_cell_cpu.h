@@ -10,9 +10,9 @@ namespace batchrules {
 // on the CPU); its operands must then have contiguous rows.
 bool lstm_cell_fusable(const at::Tensor& t);
 
-// pre = gates + bias (E,1,4H, contiguous rows; zeros for none); i,f,o = sigmoid, g = tanh of pre's parts;
-// act <- [i, f, g, o], c_new <- f c + i g, h <- o tanh(c_new). gates E,N,4H;
-// c, c_new, h E,N,H; act E,N,4H.
+// pre = gates + bias (E,1,4H; zeros for none); i,f,o = sigmoid and g = tanh
+// of pre's parts; act <- [i, f, g, o], c_new <- f c + i g, h <- o tanh(c_new).
+// gates, act E,N,4H; c, c_new, h E,N,H; all with contiguous rows.
 void lstm_cell_forward_cpu(const at::Tensor& gates, const at::Tensor& bias, const at::Tensor& c,
                            at::Tensor& act, at::Tensor& c_new, at::Tensor& h);
 
