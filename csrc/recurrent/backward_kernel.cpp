@@ -1,7 +1,7 @@
 // Backward through time of the grouped recurrence as the op's kernel runs it:
 // gate-derivative coefficients for all steps first, then per step one GEMM
 // and a few pointwise ops (Note [The recurrence kernels]).
-#include "recurrent/lstm_cell_cpu.h"
+#include "recurrent/fused_cells.h"
 #include "recurrent/recurrence.h"
 
 #include <ATen/ATen.h>
@@ -167,7 +167,7 @@ RecurrenceGrads recurrence_backward_kernel(const Tensor& grad_output, const Tens
     return grads;
   }
   const Loop loop{grad_output, mode, reverse, T};
-  if (mode == RnnMode::Lstm && lstm_cell_fusable(workspace)) {
+  if (mode == RnnMode::Lstm && cell_fusable(workspace)) {
     lstm_backward_fused(loop, dh, dc.contiguous(), c0, w_hh, w_hr, workspace, grads);
   } else if (mode == RnnMode::Lstm) {
     lstm_backward(loop, dh, dc, c0, w_hh, w_hr, workspace, grads);

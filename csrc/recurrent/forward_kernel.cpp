@@ -10,7 +10,7 @@
 // depends only on the forward's saved gates out of the loop: the gates'
 // derivative coefficients are computed for all steps at once, so a step of
 // the backward is its GEMM and three or four pointwise ops.
-#include "recurrent/lstm_cell_cpu.h"
+#include "recurrent/fused_cells.h"
 #include "recurrent/recurrence.h"
 
 #include <ATen/ATen.h>
@@ -22,7 +22,7 @@ namespace {
 struct Buffers {
   Tensor output, workspace, gates, scratch;
   Tensor one;  // See Note [tanh as a sigmoid]
-  bool fused = false;  // the LSTM cell as one CPU loop (Note [The fused LSTM cell])
+  bool fused = false;  // the LSTM or GRU cell as one CPU loop (Note [The fused LSTM cell])
 };
 
 // i,f,g,o,c (+ h before the projection) into the workspace row; h into out_t.
@@ -74,6 +74,11 @@ void gru_step(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& bias
     at::bmm_out(b.gates, h, w_hh_t);
   }
   Tensor ws = b.workspace.select(0, t);
+  Tensor out_t = b.output.select(0, t);
+  if (b.fused) {  // Note [The fused LSTM cell]
+    gru_cell_forward_cpu(x_t, b.gates, h, ws, out_t);
+    return;
+  }
   Tensor rz = ws.narrow(-1, 0, 2 * H);
   Tensor n = ws.narrow(-1, 2 * H, H);
   at::add_out(rz, x_t.narrow(-1, 0, 2 * H), b.gates.narrow(-1, 0, 2 * H));
@@ -82,8 +87,7 @@ void gru_step(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& bias
   hn.copy_(b.gates.narrow(-1, 2 * H, H));
   at::mul_out(n, rz.narrow(-1, 0, H), hn);
   tanh_in_place(n.add_(x_t.narrow(-1, 2 * H, H)), b.one);
-  Tensor out_t = b.output.select(0, t);  // n + z (h - n)
-  at::sub_out(out_t, h, n);
+  at::sub_out(out_t, h, n);  // n + z (h - n)
   out_t.mul_(rz.narrow(-1, H, H)).add_(n);
 }
 
@@ -116,14 +120,17 @@ RecurrenceOutputs recurrence_forward_kernel(const Tensor& input_gates, const Ten
   const Tensor w_hh_t = w_hh.transpose(1, 2);                          // E,P,GH
   const Tensor w_hr_t = w_hr.defined() ? w_hr.transpose(1, 2) : w_hr;  // E,H,P
   const bool gru = mode == RnnMode::Gru;
-  b.fused = mode == RnnMode::Lstm && lstm_cell_fusable(b.gates);
+  // the GRU cell reads the input gates' rows in place
+  b.fused = cell_fusable(b.gates) &&
+            (mode == RnnMode::Lstm || (gru && input_gates.stride(-1) == 1));
   // E,1,GH; the fused cell reads rows with a unit stride, zeros for none
   const Tensor bias = !b.fused       ? (b_hh.defined() ? b_hh.unsqueeze(1) : b_hh)
                       : b_hh.defined() ? b_hh.unsqueeze(1).contiguous()
                                        : at::zeros({E, 1, GH}, options);
   const Tensor& x = input_gates;
 
-  Tensor h = h0, c = b.fused ? c0.contiguous() : c0;
+  Tensor h = b.fused ? h0.contiguous() : h0;
+  Tensor c = b.fused && c0.defined() ? c0.contiguous() : c0;
   for (int64_t s = 0; s < T; ++s) {
     const int64_t t = reverse ? T - 1 - s : s;
     const Tensor x_t = x.select(0, t);

@@ -10,55 +10,19 @@
 // compiler vectorizes for the best of AVX-512, AVX2 and the baseline chosen
 // at load time (target_clones); tanh(x) = 2 sigmoid(2x) - 1 (Note [tanh as a
 // sigmoid]). float64 keeps the aten ops: its tests compare exactly.
-#include "recurrent/lstm_cell_cpu.h"
+#include "recurrent/fused_cells.h"
+
+#include "recurrent/cell_math.h"
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
-#include <cstring>
-#include <initializer_list>
-
-// The clamp in exp_approx is a select that GCC only turns into vector code
-// when it need not preserve floating-point traps (which nothing here reads);
-// without this, only the AVX-512 clone was vectorized.
-#pragma GCC optimize("no-trapping-math")
 
 namespace batchrules {
 
 namespace {
 
-// e^x, x clamped to [-87, 88] so that 2^n stays a normal float32 (e^88 is
-// 1.7e38): a sigmoid or tanh there is already 0, 1 or -1 to float32's
-// precision.
-inline float exp_approx(float x) {
-  x = x < -87.0f ? -87.0f : x;  // not std::min/max: declared before the pragma, not inlined
-  x = x > 88.0f ? 88.0f : x;
-  constexpr float kLog2e = 1.44269504f, kLn2Hi = 0.693145752f, kLn2Lo = 1.42860677e-6f;
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float n = (x * kLog2e + kRound) - kRound;
-  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
-  // 1 + r + r^2/2! + ... + r^7/7!, Horner's form
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-inline float sigmoid_approx(float x) {
-  return 1.0f / (1.0f + exp_approx(-x));
-}
-
-inline float tanh_approx(float x) {
-  return 2.0f * sigmoid_approx(2.0f * x) - 1.0f;
-}
+using namespace cell_math;
 
 // One row: pre-activations gates[0:4H] + bias[0:4H], state c[0:H]. (No
 // branch in the loop, which would keep it scalar: an absent bias is zeros.)
@@ -99,24 +63,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void lstm_row_backw
   }
 }
 
-// Pointer to row (e, n) of an E,N,* tensor.
-template <typename T>
-T* row(const at::Tensor& t, int64_t e, int64_t n) {
-  return t.data_ptr<float>() + e * t.stride(0) + n * t.stride(1);
-}
-
-// The loops read and write whole rows: each operand's last dim is contiguous.
-void assert_contiguous_rows(std::initializer_list<const at::Tensor*> operands) {
-  for (const at::Tensor* t : operands) {
-    TORCH_INTERNAL_ASSERT(t->stride(2) == 1 || t->size(2) <= 1);
-  }
-}
-
 }  // namespace
-
-bool lstm_cell_fusable(const at::Tensor& t) {
-  return t.scalar_type() == at::kFloat && t.device().is_cpu();
-}
 
 void lstm_cell_forward_cpu(const at::Tensor& gates, const at::Tensor& bias, const at::Tensor& c,
                            at::Tensor& act, at::Tensor& c_new, at::Tensor& h) {

@@ -1,14 +1,16 @@
-// An LSTM step's pointwise part as one CPU loop over float32 rows (Note [The
-// fused LSTM cell]).
+// An LSTM or GRU step's pointwise part as one CPU loop over float32 rows
+// (Note [The fused LSTM cell]; lstm_cell_cpu.cpp, gru_cell_cpu.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 namespace batchrules {
 
-// Whether the fused cell runs a recurrence of t's dtype and device (float32
-// on the CPU); its operands must then have contiguous rows.
-bool lstm_cell_fusable(const at::Tensor& t);
+// Whether the fused cells run a recurrence of t's dtype and device (float32
+// on the CPU); their operands must then have contiguous rows.
+inline bool cell_fusable(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat && t.device().is_cpu();
+}
 
 // pre = gates + bias (E,1,4H; zeros for none); i,f,o = sigmoid and g = tanh
 // of pre's parts; act <- [i, f, g, o], c_new <- f c + i g, h <- o tanh(c_new).
@@ -24,5 +26,12 @@ void lstm_cell_forward_cpu(const at::Tensor& gates, const at::Tensor& bias, cons
 void lstm_cell_backward_cpu(const at::Tensor& dh, const at::Tensor& dc, const at::Tensor& act,
                             const at::Tensor& c_new, const at::Tensor& c, at::Tensor& d_gates,
                             at::Tensor& dc_prev);
+
+// x = the step's input gates (E,N,3H), hidden = h W_hh^T + b_hh (E,N,3H), h
+// (E,N,H): r, z = sigmoid(x + hidden) of their parts, n = tanh(x_n + r
+// hidden_n); ws <- [r, z, n, hidden_n] (E,N,4H, the layout the GRU backward
+// reads), h_new <- n + z (h - n). All with contiguous rows.
+void gru_cell_forward_cpu(const at::Tensor& x, const at::Tensor& hidden, const at::Tensor& h,
+                          at::Tensor& ws, at::Tensor& h_new);
 
 }  // namespace batchrules
