@@ -9,7 +9,9 @@
 // (relative error < 1e-7, float32's own), in plain arithmetic that the
 // compiler vectorizes for the best of AVX-512, AVX2 and the baseline chosen
 // at load time (target_clones); tanh(x) = 2 sigmoid(2x) - 1 (Note [tanh as a
-// sigmoid]). float64 keeps the aten ops: its tests compare exactly.
+// sigmoid]). A GRU step's forward is fused the same way (gru_cell_cpu.cpp;
+// its backward keeps the aten ops); the shared arithmetic is in
+// cell_math.h. float64 keeps the aten ops: its tests compare exactly.
 #include "recurrent/fused_cells.h"
 
 #include "recurrent/cell_math.h"
