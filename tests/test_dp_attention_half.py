@@ -9,10 +9,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 import batchrules
-
-
-def params_of(model: nn.Module) -> Dict[str, Tensor]:
-    return {k: v.detach() for k, v in model.named_parameters()}
+from batchrules.bench.models import detached_params
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -47,7 +44,7 @@ def test_attention_core_runs_in_float32_on_the_cpu(dtype, mask_kind, monkeypatch
 
     torch.manual_seed(1)
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-    p, x = params_of(layer), torch.randn(4, 5, 8)
+    p, x = detached_params(layer), torch.randn(4, 5, 8)
 
     def loss(p: Dict[str, Tensor], xi: Tensor) -> Tensor:
         return functional_call(layer, p, (xi[None],)).float().square().mean()

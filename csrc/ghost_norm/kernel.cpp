@@ -91,7 +91,7 @@ inline T dot1(const T* __restrict x, const T* __restrict y, int64_t n) {
 // Row t of one sample's Gram matrix up to the diagonal, out[s] = x_t . x_s
 // for s <= t, of contiguous rows x [rows, n]: four earlier rows at a time.
 template <typename T>
-inline void gram_row(const T* x, int64_t t, int64_t n, T* out) {
+inline void tiled_gram_row(const T* x, int64_t t, int64_t n, T* out) {
   const T* xt = x + t * n;
   int64_t s = 0;
   for (; s + kTile <= t + 1; s += kTile) {
@@ -105,18 +105,18 @@ inline void gram_row(const T* x, int64_t t, int64_t n, T* out) {
 // One function per dtype: target_clones takes plain (non-template, not overloaded) functions.
 __attribute__((target_clones("avx512f", "avx2", "default"))) void gram_row_float(
     const float* x, int64_t t, int64_t n, float* out) {
-  gram_row(x, t, n, out);
+  tiled_gram_row(x, t, n, out);
 }
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void gram_row_double(
     const double* x, int64_t t, int64_t n, double* out) {
-  gram_row(x, t, n, out);
+  tiled_gram_row(x, t, n, out);
 }
 
-inline void gram(const float* x, int64_t t, int64_t n, float* out) {
+inline void gram_row(const float* x, int64_t t, int64_t n, float* out) {
   gram_row_float(x, t, n, out);
 }
-inline void gram(const double* x, int64_t t, int64_t n, double* out) {
+inline void gram_row(const double* x, int64_t t, int64_t n, double* out) {
   gram_row_double(x, t, n, out);
 }
 
@@ -128,8 +128,8 @@ double sample_norm_sq(const T* a, const T* g, int64_t rows, int64_t in, int64_t 
   double diagonal = 0;
   double off_diagonal = 0;  // the pairs s < t, each standing for (s, t) and (t, s)
   for (int64_t t = 0; t < rows; ++t) {
-    gram(a, t, in, ga);
-    gram(g, t, out, gg);
+    gram_row(a, t, in, ga);
+    gram_row(g, t, out, gg);
     for (int64_t s = 0; s < t; ++s) {
       off_diagonal += static_cast<double>(ga[s]) * static_cast<double>(gg[s]);
     }

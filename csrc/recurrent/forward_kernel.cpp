@@ -123,8 +123,10 @@ RecurrenceOutputs recurrence_forward_kernel(const Tensor& input_gates, const Ten
   // the GRU cell reads the input gates' rows in place
   b.fused = cell_fusable(b.gates) &&
             (mode == RnnMode::Lstm || (gru && input_gates.stride(-1) == 1));
-  // E,1,GH; the fused cell reads rows with a unit stride, zeros for none
-  const Tensor bias = !b.fused       ? (b_hh.defined() ? b_hh.unsqueeze(1) : b_hh)
+  // E,1,GH; the fused LSTM cell reads rows with a unit stride, zeros for none
+  // (the GRU's bias is added by its step's GEMM)
+  const bool cell_reads_bias = b.fused && mode == RnnMode::Lstm;
+  const Tensor bias = !cell_reads_bias ? (b_hh.defined() ? b_hh.unsqueeze(1) : b_hh)
                       : b_hh.defined() ? b_hh.unsqueeze(1).contiguous()
                                        : at::zeros({E, 1, GH}, options);
   const Tensor& x = input_gates;
