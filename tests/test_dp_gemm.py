@@ -1,5 +1,7 @@
 """The clipped sums' GEMM (batchrules/dp/gemm.py, Note [oneDNN for the clipped sums]):
 which kernel runs, and that every way gives sum_i c_i x_i^T y_i."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,7 +26,9 @@ def operands(batch, rows, m, n, dtype=torch.float32):
 
 @pytest.fixture
 def onednn_calls(monkeypatch):
-    """Counts the oneDNN matmuls clipped_gemm makes."""
+    """Counts the oneDNN matmuls clipped_gemm makes where oneDNN is preferred
+    (as on a CPU other than Intel's; test_mkl_on_an_intel_cpu checks the preference)."""
+    monkeypatch.setattr(gemm, "_ONEDNN_PREFERRED", True)
     calls = []
     if gemm._ONEDNN is not None:
         real = gemm._ONEDNN
@@ -73,6 +77,20 @@ def test_other_cases_take_mm(case, onednn_calls) -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-5 if got.dtype == torch.float32 else 1e-12,
                                atol=1e-4 if got.dtype == torch.float32 else 1e-12)
     assert onednn_calls == []
+
+
+def test_mkl_on_an_intel_cpu(monkeypatch) -> None:
+    """On an Intel CPU with aten's GEMM from MKL every sum is torch.mm; oneDNN elsewhere."""
+    for intel, mkl in [(True, True), (True, False), (False, True)]:
+        monkeypatch.setattr(gemm, "_intel_cpu", lambda: intel)
+        monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
+        assert gemm._onednn_preferred() == (not (intel and mkl))
+    monkeypatch.undo()
+    assert gemm._ONEDNN_PREFERRED == gemm._onednn_preferred()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            vendor = next((line for line in f if line.startswith("vendor_id")), "")
+        assert gemm._intel_cpu() == ("GenuineIntel" in vendor)
 
 
 def test_empty_rows() -> None:

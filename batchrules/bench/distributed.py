@@ -8,10 +8,11 @@ between processes that must run the same steps in the same order.
 Each rank (1 thread) holds the example's transformer (``examples/dp_sgd.py``,
 float32) and its share of a fixed batch; per wrapper it alternates the two
 steps (a barrier before each, so the ranks start together) and reports the
-median of each step's time and, from three more steps run under the
-profiler, the median of their peak memory (``memory.peak_extra_bytes``:
+median of each step's time and, from five more steps run under the
+profiler, the least of their peak memory (``memory.peak_extra_bytes``:
 torch's CPU allocator records under the profiler, tensor storage allocated
-beyond what was live before the step; not RSS).
+beyond what was live before the step; not RSS; see ``_measure`` for why the
+least).
   DDP   non-private: zero_grad, ``loss.backward()`` through the DDP module,
         SGD step; DP: ``dp_step`` (clipped_grad, the rank's shard of the
         noise, one ``all_reduce_flat``, SGD step).
@@ -60,12 +61,12 @@ class Sizes:
 
 
 FULL = Sizes()
-PEAK_READINGS = 3
+PEAK_READINGS = 5
 SMOKE = Sizes(d_model=32, heads=4, ff=64, layers=2, batch=8, repeats=3, warmup=1)
 
 
 def _measure(steps: Dict[str, Callable[[], None]], sizes: Sizes) -> Dict[str, Dict[str, float]]:
-    """Median seconds (interleaved, barrier-aligned) and median peak bytes of each step."""
+    """Median seconds (interleaved, barrier-aligned) and least peak bytes of each step."""
     for _ in range(sizes.warmup):
         for step in steps.values():
             step()
@@ -78,15 +79,20 @@ def _measure(steps: Dict[str, Callable[[], None]], sizes: Sizes) -> Dict[str, Di
             times[name].append(time.perf_counter() - start)
     out = {}
     for name, step in steps.items():
-        # Three readings, each after a step of its own kind: a step's peak
-        # counts the previous step's gradients freed during it, so one reading
-        # right after the other kind of step measures that step's leftovers.
+        # Readings each after a step of its own kind: a step's peak counts the
+        # previous step's gradients freed during it, so one reading right
+        # after the other kind of step measures that step's leftovers. The
+        # least of them: FSDP's all-gather input buffers (a rank's shard of
+        # each block, 0.76 MiB here) are freed by whichever thread drops gloo's
+        # work object last, at times that vary between steps of either kind,
+        # so a reading holds them through the step or not (profiled: 7.23 or
+        # 7.99 MiB non-private, 8.86 or 9.61 MiB DP).
         peaks = []
         for _ in range(PEAK_READINGS):
             dist.barrier()
             peaks.append(peak_extra_bytes(Variant(name, step), torch.device("cpu")))
         out[name] = {"median_s": statistics.median(times[name]),
-                     "peak_bytes": None if None in peaks else statistics.median(peaks)}
+                     "peak_bytes": None if None in peaks else min(peaks)}
     return out
 
 

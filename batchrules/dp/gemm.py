@@ -4,7 +4,7 @@ Note [oneDNN for the clipped sums]
 A layer's clipped sum is one GEMM over all B*T recorded rows, ``[R, M]`` and
 ``[R, N]`` to ``[M, N]``, with each sample's clipping coefficient folded into
 the narrower operand. On the CPU aten runs a float32 GEMM as MKL's sgemm; on
-the AMD EPYC this project is measured on, oneDNN's matmul (the library aten
+an AMD EPYC (where this was measured first), oneDNN's matmul (the library aten
 already runs convolutions and LSTM layers with) computes these shapes 1.8-2.1x
 faster (1 thread: R 128-4096, M and N 128-4096; e.g. R 128, M 512, N 784:
 0.97 ms against 0.50 ms), to the same float32 accuracy. So float32 CPU sums
@@ -20,8 +20,13 @@ copy would be larger than the result, it keeps the in-place sgemm instead
 no oneDNN, and a wider operand whose rows are not packed one after the
 other: overlapping (the stride-0 gradient of a sum) or spaced (a slice, as a
 [CLS] token's rows), for which oneDNN runs a reference kernel (BERT's pooler,
-16 rows of 256: 28 ms against 0.07 ms packed).
+16 rows of 256: 28 ms against 0.07 ms packed). On an Intel CPU, with aten's
+GEMM from MKL, the comparison turns: on a Sapphire Rapids Xeon (1 thread) MKL's
+sgemm is 15-30% faster than oneDNN's matmul at the same shapes (R 384, M 128,
+N 512: 0.50 against 0.59 ms), so there every sum is ``torch.mm``
+(``_ONEDNN_PREFERRED``; MKL is known to take slower paths on other vendors' CPUs).
 """
+import platform
 from typing import Tuple
 
 import torch
@@ -30,6 +35,23 @@ from torch import Tensor
 _ONEDNN = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
            if torch.backends.mkldnn.is_available() else None)
 _ONEDNN_MIN_MACS = 1 << 20
+
+
+def _intel_cpu() -> bool:
+    """Whether this machine's CPU is Intel's (Linux: /proc/cpuinfo; else platform's name)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:
+        return "intel" in platform.processor().lower()
+
+
+def _onednn_preferred() -> bool:
+    """Note [oneDNN for the clipped sums]: MKL's sgemm where it is Intel's own CPU."""
+    return not (torch.backends.mkl.is_available() and _intel_cpu())
+
+
+_ONEDNN_PREFERRED = _onednn_preferred()
 
 
 def clipped_gemm(x: Tensor, y: Tensor, c: Tensor, writable: Tuple[bool, bool]) -> Tensor:
@@ -57,7 +79,8 @@ def clipped_gemm(x: Tensor, y: Tensor, c: Tensor, writable: Tuple[bool, bool]) -
 
 def _onednn_runs(narrow: Tensor, wide_rows: Tensor, macs: int, in_place: bool) -> bool:
     """Note [oneDNN for the clipped sums]; ``wide_rows``: the wider operand as ``[R, K]``."""
-    return (_ONEDNN is not None and torch._C._get_mkldnn_enabled() and macs >= _ONEDNN_MIN_MACS
+    return (_ONEDNN is not None and _ONEDNN_PREFERRED and torch._C._get_mkldnn_enabled()
+            and macs >= _ONEDNN_MIN_MACS
             and narrow.device.type == "cpu" and narrow.dtype == wide_rows.dtype == torch.float32
             and wide_rows.is_contiguous()
             and not (in_place and narrow.numel() > narrow.shape[-1] * wide_rows.shape[-1]))

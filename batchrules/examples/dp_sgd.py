@@ -24,15 +24,18 @@ expected batch size q*N and takes an optimizer step. Opacus' RDP accountant
 - ``--fsdp N``: the model sharded over N gloo processes with FSDP2's
   ``fully_shard`` (per encoder layer and at the root); see dp_sgd_ranks.py.
 
-Noise is drawn per dim-0 shard of each parameter (``noise_shards``), from one
-generator per shard: a DDP or FSDP rank draws only its own shard's noise, and
-one process with ``noise_shards=N`` draws the same noise as N ranks.
+Noise is drawn per dim-0 shard of the parameters (``noise_shards``), from one
+generator per shard, as one vector over that shard's rows of every parameter
+(one randn call a step, not one per parameter): a DDP or FSDP rank draws only
+its own shard's noise, and one process with ``noise_shards=N`` draws the same
+noise as N ranks.
 
     python -m batchrules.examples.dp_sgd [--model transformer] [--ddp 2 | --fsdp 2]
         [--logical-batch 256 --physical-batch 32] [--bf16] [--steps 30]
 """
 import argparse
 import contextlib
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -136,33 +139,40 @@ def shard_rows(rows: int, shards: int, shard: int) -> int:
     return max(0, min(per, rows - shard * per))
 
 
-def draw_noise(shape: torch.Size, config: DPConfig, noise: Noise, first_shard: int = 0) -> Tensor:
-    """N(0, (sigma C)^2) noise of dim-0 shards ``first_shard, first_shard + 1, ...``
-    (one per generator; of ``config.noise_shards``) of a parameter of the full
-    ``shape``, concatenated along dim 0."""
-    generators = [noise] if isinstance(noise, torch.Generator) else list(noise)
-    std = config.noise_multiplier * config.max_norm
-    if len(shape) == 0 or config.noise_shards == 1:
-        return std * torch.randn(shape, generator=generators[0], dtype=config.dtype)
-    parts = [torch.randn((shard_rows(shape[0], config.noise_shards, first_shard + i), *shape[1:]),
-                         generator=g, dtype=config.dtype) for i, g in enumerate(generators)]
-    return std * torch.cat(parts)
+def shard_noise(shapes: Sequence[torch.Size], config: DPConfig, generator: torch.Generator,
+                shard: int = 0) -> List[Tensor]:
+    """N(0, (sigma C)^2) noise of dim-0 shard ``shard`` (of ``config.noise_shards``)
+    of parameters of the given full ``shapes``: one draw from ``generator``
+    over all their rows in that shard, split in order (a 0-dim parameter's
+    noise belongs to shard 0; other shards get an empty tensor for it)."""
+    rows = [shard_rows(s[0], config.noise_shards, shard) if len(s) else int(shard == 0)
+            for s in shapes]
+    sizes = [r * math.prod(s[1:]) for r, s in zip(rows, shapes)]
+    flat = torch.randn(sum(sizes), generator=generator, dtype=config.dtype)
+    flat.mul_(config.noise_multiplier * config.max_norm)
+    return [piece.view(r, *s[1:]) if len(s) else piece.view(()) if r else piece
+            for piece, r, s in zip(flat.split(sizes), rows, shapes)]
 
 
-def add_noise_(g: Tensor, config: DPConfig, noise: Noise, first_shard: int = 0) -> Tensor:
-    """Adds to ``g`` (in place) the noise of the dim-0 shards that ``noise``'s
-    generators draw, from ``first_shard`` on: all of it when they are all the
-    shards, else those rows (a DDP rank's share; a 0-dim tensor's noise
-    belongs to shard 0)."""
+def add_noise_(grads: Sequence[Tensor], config: DPConfig, noise: Noise, first_shard: int = 0) -> None:
+    """Adds to the full-size ``grads`` (in place) the noise of the dim-0 shards
+    that ``noise``'s generators draw, from ``first_shard`` on (``shard_noise``):
+    all of it when they are all the shards, else those rows (a DDP rank's share)."""
     generators = [noise] if isinstance(noise, torch.Generator) else list(noise)
-    if len(generators) == config.noise_shards:
-        return g.add_(draw_noise(g.shape, config, generators))
-    if g.dim() == 0:
-        return g.add_(draw_noise(g.shape, config, generators)) if first_shard == 0 else g
-    part = draw_noise(g.shape, config, generators, first_shard)
-    start = sum(shard_rows(g.shape[0], config.noise_shards, s) for s in range(first_shard))
-    g[start:start + part.shape[0]] += part
-    return g
+    shapes = [g.shape for g in grads]
+    for shard, generator in enumerate(generators, first_shard):
+        targets, pieces = [], []
+        for g, piece in zip(grads, shard_noise(shapes, config, generator, shard)):
+            if g.dim() == 0:
+                if piece.dim() == 0:
+                    targets.append(g)
+                    pieces.append(piece)
+            elif piece.numel():
+                start = min(g.shape[0], shard * -(-g.shape[0] // config.noise_shards))
+                targets.append(g[start:start + piece.shape[0]])
+                pieces.append(piece)
+        if targets:
+            torch._foreach_add_(targets, pieces)
 
 
 def dp_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor,
@@ -176,11 +186,12 @@ def dp_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Te
     params = {k: p.detach() for k, p in model.named_parameters()}
     sums, norms = clipped_sums(model, params, x, y, config)
     if noise is not None:  # the sums are fresh tensors: noised in place
-        sums = {k: add_noise_(g, config, noise, first_shard) for k, g in sums.items()}
+        add_noise_(list(sums.values()), config, noise, first_shard)
     if all_reduce is not None:
         sums = all_reduce(sums)
+    torch._foreach_div_(list(sums.values()), config.sample_rate * config.examples)
     for name, p in model.named_parameters():
-        p.grad = sums[name] / (config.sample_rate * config.examples)
+        p.grad = sums[name]
     optimizer.step()
     return norms
 

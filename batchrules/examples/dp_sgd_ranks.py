@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from batchrules.dp import all_reduce_flat, reduce_scatter_flat, unsharded
 
-from .dp_sgd import DPConfig, clipped_sums, draw_noise, make_model, noise_generators, train
+from .dp_sgd import DPConfig, clipped_sums, make_model, noise_generators, shard_noise, train
 
 
 def shard_model(model: nn.Module) -> nn.Module:
@@ -59,9 +59,11 @@ def fsdp_step(model: nn.Module, arch: nn.Module, optimizer: torch.optim.Optimize
     del sums  # the full-size sums: only the shards outlive the step
     from torch.distributed.tensor import DTensor
 
-    for name, p in model.named_parameters():
+    named = list(model.named_parameters())
+    pieces = shard_noise([p.shape for _, p in named], config, noise, shard=rank)
+    for (name, p), piece in zip(named, pieces):
         shard = shards[name]
-        local = shard.to_local() + draw_noise(p.shape, config, [noise], first_shard=rank)
+        local = shard.to_local() + piece
         p.grad = DTensor.from_local(local / (config.sample_rate * config.examples),
                                     shard.device_mesh, shard.placements, shape=p.shape,
                                     stride=p.stride())
