@@ -1,12 +1,11 @@
 """The clipped sums' GEMM (batchrules/dp/gemm.py, Note [oneDNN for the clipped sums]):
 which kernel runs, and that every way gives sum_i c_i x_i^T y_i."""
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import batchrules
+from batchrules import _C
 from batchrules.dp import gemm
 from dp_reference import loop_clipped_grad
 
@@ -26,8 +25,8 @@ def operands(batch, rows, m, n, dtype=torch.float32):
 
 @pytest.fixture
 def onednn_calls(monkeypatch):
-    """Counts the oneDNN matmuls clipped_gemm makes where oneDNN is preferred
-    (as on a CPU other than Intel's; test_mkl_on_an_intel_cpu checks the preference)."""
+    """Counts the oneDNN matmuls clipped_gemm makes, oneDNN preferred (as
+    where MKL is not the faster: test_mkl_where_it_is_the_faster)."""
     monkeypatch.setattr(gemm, "_ONEDNN_PREFERRED", True)
     calls = []
     if gemm._ONEDNN is not None:
@@ -79,18 +78,14 @@ def test_other_cases_take_mm(case, onednn_calls) -> None:
     assert onednn_calls == []
 
 
-def test_mkl_on_an_intel_cpu(monkeypatch) -> None:
-    """On an Intel CPU with aten's GEMM from MKL every sum is torch.mm; oneDNN elsewhere."""
-    for intel, mkl in [(True, True), (True, False), (False, True)]:
-        monkeypatch.setattr(gemm, "_intel_cpu", lambda: intel)
-        monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
-        assert gemm._onednn_preferred() == (not (intel and mkl))
-    monkeypatch.undo()
-    assert gemm._ONEDNN_PREFERRED == gemm._onednn_preferred()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            vendor = next((line for line in f if line.startswith("vendor_id")), "")
-        assert gemm._intel_cpu() == ("GenuineIntel" in vendor)
+def test_mkl_where_it_is_the_faster() -> None:
+    """Note [MKL or oneDNN by CPU vendor]: MKL's sgemm on an Intel CPU with
+    aten's MKL, oneDNN's matmul elsewhere (torch.mm always where oneDNN is absent)."""
+    with open("/proc/cpuinfo") as f:
+        intel = "GenuineIntel" in next((line for line in f if line.startswith("vendor_id")), "")
+    mkl = torch.backends.mkl.is_available() and intel
+    assert _C._mkl_gemm_beats_onednn() == mkl
+    assert gemm._ONEDNN_PREFERRED == (not mkl)
 
 
 def test_empty_rows() -> None:

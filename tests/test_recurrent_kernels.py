@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jacfwd, stack_module_state, vmap
 
 import batchrules
+from batchrules import _C
 
 RECURRENCE, INFERENCE, TRAINING = ("batchrules::rnn_recurrence", "aten::mkldnn_rnn_layer",
                                    "batchrules::fused_lstm_layer")
@@ -106,6 +107,23 @@ def test_inference_folds_into_one_fused_call() -> None:
         got, names = ran(lambda: vmap(lambda xi: model(xi)[0])(x))
         torch.testing.assert_close(got, torch.stack([model(xi)[0] for xi in x]))
     assert INFERENCE in names and RECURRENCE not in names
+
+
+@pytest.mark.parametrize("hidden,rows", [(4, 10), (64, 12)])
+def test_ensemble_inference(hidden: int, rows: int) -> None:
+    # A member loop of oneDNN's layer, except for members of fewer than
+    # kMinOneDnnMemberWork = 768 rows x hidden where MKL's GEMM is the faster:
+    # one bmm a step over all members (Note [oneDNN's LSTM layer under transforms]).
+    models = [nn.LSTM(3, hidden, batch_first=True) for _ in range(3)]
+    params, _ = stack_module_state(models)
+    x = torch.randn(rows, 5, 3)
+    with torch.no_grad():
+        got, names = ran(lambda: vmap(lambda p: functional_call(models[0], p, (x,))[0])(params))
+        want = torch.stack([m(x)[0] for m in models])
+    small = rows * hidden < 768 and _C._mkl_gemm_beats_onednn()
+    assert (RECURRENCE if small else INFERENCE) in names
+    assert (INFERENCE if small else RECURRENCE) not in names
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("flow", ["float64", "jacfwd"])

@@ -20,38 +20,25 @@ copy would be larger than the result, it keeps the in-place sgemm instead
 no oneDNN, and a wider operand whose rows are not packed one after the
 other: overlapping (the stride-0 gradient of a sum) or spaced (a slice, as a
 [CLS] token's rows), for which oneDNN runs a reference kernel (BERT's pooler,
-16 rows of 256: 28 ms against 0.07 ms packed). On an Intel CPU, with aten's
-GEMM from MKL, the comparison turns: on a Sapphire Rapids Xeon (1 thread) MKL's
-sgemm is 15-30% faster than oneDNN's matmul at the same shapes (R 384, M 128,
-N 512: 0.50 against 0.59 ms), so there every sum is ``torch.mm``
-(``_ONEDNN_PREFERRED``; MKL is known to take slower paths on other vendors' CPUs).
+16 rows of 256: 28 ms against 0.07 ms packed). Where MKL's sgemm is the faster
+(an Intel CPU: Note [MKL or oneDNN by CPU vendor] in csrc/common/cpu_gemm.h;
+there 15-30% faster at these shapes, e.g. R 384, M 128, N 512: 0.50 against
+0.59 ms) every sum is ``torch.mm`` (``_ONEDNN_PREFERRED``).
 """
-import platform
 from typing import Tuple
 
 import torch
 from torch import Tensor
+
+from .. import _C
 
 _ONEDNN = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
            if torch.backends.mkldnn.is_available() else None)
 _ONEDNN_MIN_MACS = 1 << 20
 
 
-def _intel_cpu() -> bool:
-    """Whether this machine's CPU is Intel's (Linux: /proc/cpuinfo; else platform's name)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
-    except OSError:
-        return "intel" in platform.processor().lower()
-
-
-def _onednn_preferred() -> bool:
-    """Note [oneDNN for the clipped sums]: MKL's sgemm where it is Intel's own CPU."""
-    return not (torch.backends.mkl.is_available() and _intel_cpu())
-
-
-_ONEDNN_PREFERRED = _onednn_preferred()
+# Note [oneDNN for the clipped sums]: not where MKL's sgemm is the faster.
+_ONEDNN_PREFERRED = not _C._mkl_gemm_beats_onednn()
 
 
 def clipped_gemm(x: Tensor, y: Tensor, c: Tensor, writable: Tuple[bool, bool]) -> Tensor:

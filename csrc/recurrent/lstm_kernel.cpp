@@ -18,12 +18,19 @@
 //    vmap);
 //  - batched weights need at least 8 rows a member in both, below which one
 //    bmm over all members (hypernetworks: one row each) beats a loop of
-//    small fused calls;
+//    small fused calls; where MKL's GEMM is the faster (Note [MKL or oneDNN
+//    by CPU vendor]) an ensemble's inference also needs at least
+//    kMinOneDnnMemberWork rows x hidden a member: measured there (8 LSTMs
+//    32->H, 20 steps, interleaved), the recurrence takes 0.92x oneDNN's
+//    loop's time at 16 rows x 32, 1.01x at 16 x 48, 1.08x at 16 x 64 and
+//    1.2-1.4x from 64 x 32 up; training keeps oneDNN's layer (the
+//    recurrence's backward: 1.1-2.4x slower);
 //  - anything else, per-sample weight gradients above all (vmap(grad) with
 //    shared weights): rnn_recurrence, whose weight gradients are one bmm per
 //    sample; or its decomposition under higher-order transforms.
 #include "common/autocast.h"
 #include "common/batching_utils.h"
+#include "common/cpu_gemm.h"
 #include "common/transform_stack.h"
 #include "recurrent/layers.h"
 
@@ -37,6 +44,12 @@ namespace batchrules {
 namespace {
 
 constexpr int64_t kMinRowsPerMember = 8;
+constexpr int64_t kMinOneDnnMemberWork = 768;  // rows x hidden; see the Note above
+
+// h0: [layers * directions, rows, hidden] of one member.
+bool small_members(at::TensorList hx) {
+  return hx[0].size(-2) * hx[0].size(-1) < kMinOneDnnMemberWork;
+}
 
 bool onednn_runs_it(const Tensor& input, at::TensorList hx, at::TensorList params) {
   if (!at::globalContext().userEnabledMkldnn() || autocast_enabled_for(input) ||
@@ -85,11 +98,12 @@ LstmKernel lstm_kernel(const Tensor& input, at::TensorList hx, at::TensorList pa
   }
   const WeightBatching weights = weight_batching(params);
   const bool few_rows = input.dim() != 3 || input.size(batch_first ? 0 : 1) < kMinRowsPerMember;
-  if (weights.per_example || (weights.somewhere && few_rows)) {
+  const bool training = inside_grad_transform();
+  const bool small_inference = !training && mkl_gemm_beats_onednn() && small_members(hx);
+  if (weights.per_example || (weights.somewhere && (few_rows || small_inference))) {
     return LstmKernel::Recurrence;
   }
-  return inside_grad_transform() ? LstmKernel::OneDnnTraining
-                                        : LstmKernel::OneDnnInference;
+  return training ? LstmKernel::OneDnnTraining : LstmKernel::OneDnnInference;
 }
 
 }  // namespace batchrules

@@ -1,0 +1,19 @@
+// Which CPU GEMM is faster on this machine: aten's (MKL's sgemm) or oneDNN's.
+//
+// Note [MKL or oneDNN by CPU vendor]
+// aten runs a float32 CPU GEMM as MKL's sgemm, and the LSTM layer and
+// convolutions as oneDNN primitives. On an AMD EPYC oneDNN's matmul was
+// 1.8-2.1x faster than MKL at the clipped sums' shapes (MKL takes slower
+// paths on other vendors' CPUs), and oneDNN's LSTM layer beat rnn_recurrence's
+// MKL GEMMs ~1.8x at hidden 128. On an Intel Sapphire Rapids Xeon MKL's sgemm
+// is 15-30% faster than oneDNN's matmul, and for an ensemble's forward the
+// recurrence's batched GEMMs beat a loop of oneDNN layers (1.0-2.8x, 8 LSTMs,
+// hidden 32-128, 8-64 rows). So the choices that compare the two ask this:
+// MKL where aten has it and the CPU is Intel's (Linux: /proc/cpuinfo).
+#pragma once
+
+namespace batchrules {
+
+bool mkl_gemm_beats_onednn();
+
+}  // namespace batchrules
