@@ -39,6 +39,7 @@ class LinearUse(Use):
     rows: Tensor  # [B, T, I]
     edge: Any
     grad: Optional[Tensor] = None  # [B, T, O]
+    grad_row_sum: Optional[Tensor] = None  # [B, O]: the bias' per-sample gradient, once formed
 
     def roles(self) -> Dict[Param, str]:
         return {self.weight: "weight", **({self.bias: "bias"} if self.bias is not None else {})}
@@ -54,7 +55,7 @@ class LinearUse(Use):
         return torch.bmm(self.grad.transpose(1, 2), self.rows)  # B,O,T x B,T,I -> B,O,I
 
     def release(self) -> None:
-        self.grad = self.rows = None  # type: ignore[assignment]
+        self.grad = self.rows = self.grad_row_sum = None  # type: ignore[assignment]
 
     @classmethod
     def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -89,7 +90,7 @@ class LinearUse(Use):
             g_sq, a_sq = sq_norms(g, (1, 2)), sq_norms(a, (1, 2))
             return g_sq * (a_sq + 1) if bias is not None else g_sq * a_sq
         squares = rows_norms_sq(a, g)
-        return squares + sq_norms(g.sum(1), 1) if bias is not None else squares
+        return squares + sq_norms(bias_grads(uses, g), 1) if bias is not None else squares
 
     @classmethod
     def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
@@ -99,7 +100,7 @@ class LinearUse(Use):
         ``sum_i c_i sum_t g_i,t``, one GEMV."""
         a, g = all_rows(uses)
         c = coef.to(g.dtype)
-        grad_b = torch.mv(g.sum(1).t(), c) if bias is not None else None
+        grad_b = torch.mv(bias_grads(uses, g).t(), c) if bias is not None else None
         in_place = len(uses) > 1 or writable(g, owned)  # several uses: g is a concatenated copy
         return cls.weight_sum(a, g, c, in_place), grad_b
 
@@ -122,6 +123,15 @@ def all_rows(uses: List[Use]) -> Tuple[Tensor, Tensor]:
         return uses[0].rows, uses[0].grad  # type: ignore[attr-defined, return-value]
     return (torch.cat([u.rows for u in uses], 1),  # type: ignore[attr-defined]
             torch.cat([u.grad for u in uses], 1))  # type: ignore[misc]
+
+
+def bias_grads(uses: List[Use], g: Tensor) -> Tensor:
+    """``sum_t g_i,t``: ``[B, O]``, the fused bias' per-sample gradients, formed
+    once for its norm and its clipped sum (kept on the first use)."""
+    first = uses[0]
+    if first.grad_row_sum is None:  # type: ignore[attr-defined]
+        first.grad_row_sum = g.sum(1)  # type: ignore[attr-defined]
+    return first.grad_row_sum  # type: ignore[attr-defined]
 
 
 def writable(g: Tensor, owned: Callable[[Tensor], bool]) -> bool:
