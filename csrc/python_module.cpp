@@ -96,9 +96,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "transforms (process-wide).");
   m.def("_routing_enabled", &batchrules::routing_enabled,
         "Whether the routes of every op family are registered (see routing.py).");
-  // See Note [Eager entry of batchrules.linear].
   m.def("_mkl_gemm_beats_onednn", &batchrules::mkl_gemm_beats_onednn,
         "Whether aten's MKL GEMM is preferred to oneDNN's here (Note [MKL or oneDNN by CPU vendor])");
+  // See Note [Eager entry of batchrules.linear].
   m.def("linear", &linear_entry, py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(),
         R"doc(The eager entry of batchrules.linear (see its docstring).)doc");
   m.def("_activations", &activations,

@@ -6,10 +6,11 @@
 // 1.8-2.1x faster than MKL at the clipped sums' shapes (MKL takes slower
 // paths on other vendors' CPUs), and oneDNN's LSTM layer beat rnn_recurrence's
 // MKL GEMMs ~1.8x at hidden 128. On an Intel Sapphire Rapids Xeon MKL's sgemm
-// is 15-30% faster than oneDNN's matmul, and for an ensemble's forward the
-// recurrence's batched GEMMs beat a loop of oneDNN layers (1.0-2.8x, 8 LSTMs,
-// hidden 32-128, 8-64 rows). So the choices that compare the two ask this:
-// MKL where aten has it and the CPU is Intel's (Linux: /proc/cpuinfo).
+// is 15-30% faster than oneDNN's matmul, and the recurrence's batched GEMMs
+// beat a loop of oneDNN layers for an ensemble of small members' forward
+// (Note [oneDNN's LSTM layer under transforms]). So the choices that compare
+// the two ask this: MKL where aten has it and the CPU is Intel's (Linux:
+// /proc/cpuinfo; elsewhere no vendor is read and oneDNN stays preferred).
 #pragma once
 
 namespace batchrules {
