@@ -163,14 +163,13 @@ def add_noise_(grads: Sequence[Tensor], config: DPConfig, noise: Noise, first_sh
     for shard, generator in enumerate(generators, first_shard):
         targets, pieces = [], []
         for g, piece in zip(grads, shard_noise(shapes, config, generator, shard)):
-            if g.dim() == 0:
-                if piece.dim() == 0:
-                    targets.append(g)
-                    pieces.append(piece)
-            elif piece.numel():
-                start = min(g.shape[0], shard * -(-g.shape[0] // config.noise_shards))
-                targets.append(g[start:start + piece.shape[0]])
-                pieces.append(piece)
+            if not piece.numel():  # a 0-dim g's piece is 0-dim in shard 0, empty in the others
+                continue
+            if g.dim():  # this shard's rows
+                start = sum(shard_rows(len(g), config.noise_shards, s) for s in range(shard))
+                g = g[start:start + len(piece)]
+            targets.append(g)
+            pieces.append(piece)
         if targets:
             torch._foreach_add_(targets, pieces)
 
