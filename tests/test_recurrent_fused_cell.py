@@ -96,12 +96,13 @@ def test_gru_values_and_workspace_equal_float64(E, N, H, bias, reverse) -> None:
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=2e-6, msg=name)
 
 
-def test_gru_input_gates_with_strided_rows_take_the_aten_ops() -> None:
-    """The fused GRU cell reads the input gates' rows in place; input gates
-    whose rows are not contiguous keep the aten ops, with the same values."""
-    ops = operands(2, 3, 6, mode=GRU)
+@pytest.mark.parametrize("mode", [LSTM, GRU])
+def test_input_gates_with_strided_rows_take_the_aten_ops(mode) -> None:
+    """The fused cells read the input gates' rows in place; input gates whose
+    rows are not contiguous keep the aten ops, with the same values."""
+    ops = operands(2, 3, 6, mode=mode)
     strided = dict(ops, input_gates=transposed_rows(ops["input_gates"]))
-    for g, w in zip(run(strided, torch.float32, mode=GRU), run(ops, torch.float64, mode=GRU)):
+    for g, w in zip(run(strided, torch.float32, mode=mode), run(ops, torch.float64, mode=mode)):
         if w is not None:
             torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=2e-6)
 

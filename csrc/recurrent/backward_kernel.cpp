@@ -54,15 +54,21 @@ void lstm_backward_fused(const Loop& loop, Tensor dh, Tensor dc, const Tensor& c
   const Tensor act = workspace.narrow(-1, 0, 4 * H), c = workspace.narrow(-1, 4 * H, H);
   const Tensor c_first = c0.contiguous();
   Tensor dc_next = at::empty_like(dc);
+  // The cell adds the output's gradient at t to dh itself (no pass of its own
+  // a step) where that has rows to read: no projection, a unit last stride.
+  const Tensor& grad_output = loop.grad_output;
+  const bool cell_adds = grad_output.defined() && !w_hr.defined() && grad_output.stride(-1) == 1;
+  const Tensor no_output_grad = cell_adds ? Tensor() : at::zeros_like(dc);
   for (int64_t s = 0; s < loop.T; ++s) {
     const int64_t t = loop.reverse ? s : loop.T - 1 - s;
     const int64_t prev = loop.reverse ? t + 1 : t - 1;  // the step the forward ran before t
-    const Tensor dh_raw = lstm_incoming(loop, dh, t, w_hr, grads).contiguous();
+    const Tensor dh_raw = (cell_adds ? dh : lstm_incoming(loop, dh, t, w_hr, grads)).contiguous();
     Tensor d_t = grads.input_gates.select(0, t);  // E,N,4H
     const Tensor c_prev = prev < 0 || prev >= loop.T ? c_first : c.select(0, prev);
-    lstm_cell_backward_cpu(dh_raw, dc, act.select(0, t), c.select(0, t), c_prev, d_t, dc_next);
+    lstm_cell_backward_cpu(dh_raw, cell_adds ? grad_output.select(0, t) : no_output_grad, dc,
+                           act.select(0, t), c.select(0, t), c_prev, d_t, dc_next);
     std::swap(dc, dc_next);
-    dh = at::bmm(d_t, w_hh);  // E,N,GH x E,GH,P -> E,N,P
+    dh = group_mm(d_t, w_hh);  // E,N,GH x E,GH,P -> E,N,P (Note [A step's GEMM])
   }
   grads.h0 = dh;
   grads.c0 = dc;
@@ -93,7 +99,7 @@ void lstm_backward(const Loop& loop, Tensor dh, Tensor dc, const Tensor& c0, con
              dcs.unsqueeze(-2));
     mul_into(d_t.narrow(-1, 3 * H, H), dh_raw, o_coef.select(0, t));
     dc = dcs * f.select(0, t);
-    dh = at::bmm(d_t, w_hh);  // E,N,GH x E,GH,P -> E,N,P
+    dh = group_mm(d_t, w_hh);  // E,N,GH x E,GH,P -> E,N,P
   }
   grads.h0 = dh;
   grads.c0 = dc;
@@ -133,7 +139,7 @@ void rnn_backward(const Loop& loop, Tensor dh, const Tensor& w_hh, const Tensor&
     const int64_t t = loop.reverse ? s : loop.T - 1 - s;
     const Tensor d_t = grads.input_gates.select(0, t);
     mul_into(d_t, loop.incoming(dh, t), coef.select(0, t));
-    dh = at::bmm(d_t, w_hh);
+    dh = group_mm(d_t, w_hh);
   }
   grads.h0 = dh;
 }
@@ -146,15 +152,15 @@ RecurrenceGrads recurrence_backward_kernel(const Tensor& grad_output, const Tens
                                            const Tensor& output, const Tensor& workspace,
                                            RnnMode mode, bool reverse) {
   const int64_t T = output.size(0);
-  const int64_t E = h0.size(0), N = h0.size(1), GH = w_hh.size(1);
-  const auto options = output.options();
+  const int64_t GH = w_hh.size(1);
   RecurrenceGrads grads;
-  grads.input_gates = at::empty({T, E, N, GH}, options);
+  // See Note [Steps in the input's memory order].
+  grads.input_gates = empty_steps(output, GH);
   if (mode == RnnMode::Gru) {
-    grads.hidden_gates = at::empty({T, E, N, GH}, options);
+    grads.hidden_gates = empty_steps(output, GH);
   }
   if (w_hr.defined()) {
-    grads.projected = at::empty({T, E, N, h0.size(-1)}, options);
+    grads.projected = empty_steps(output, h0.size(-1));
   }
   // Fresh tensors: with no steps they are the gradients returned.
   const Tensor dh = grad_h_n.defined() ? grad_h_n.clone() : at::zeros_like(h0);

@@ -34,6 +34,27 @@ Tensor previous_states(const Tensor& initial, const Tensor& seq, bool reverse) {
   return reverse ? at::cat({rest, initial.unsqueeze(0)}) : at::cat({initial.unsqueeze(0), rest});
 }
 
+Tensor empty_steps(const Tensor& like, int64_t width) {
+  const int64_t T = like.size(0), E = like.size(1), N = like.size(2);
+  if (T > 1 && N > 1 && like.stride(0) < like.stride(2)) {
+    return at::empty({E, N, T, width}, like.options()).permute({2, 0, 1, 3});
+  }
+  return at::empty({T, E, N, width}, like.options());
+}
+
+Tensor& group_mm_out(Tensor& out, const Tensor& a, const Tensor& b) {
+  if (a.size(0) != 1) {
+    return at::bmm_out(out, a, b);
+  }
+  Tensor out_rows = out.select(0, 0);
+  at::mm_out(out_rows, a.select(0, 0), b.select(0, 0));
+  return out;
+}
+
+Tensor group_mm(const Tensor& a, const Tensor& b) {
+  return a.size(0) != 1 ? at::bmm(a, b) : at::mm(a.select(0, 0), b.select(0, 0)).unsqueeze(0);
+}
+
 int64_t gate_count(RnnMode mode) {
   switch (mode) {
     case RnnMode::Lstm: return 4;

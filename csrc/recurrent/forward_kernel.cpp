@@ -27,23 +27,26 @@ struct Buffers {
 
 // i,f,g,o,c (+ h before the projection) into the workspace row; h into out_t.
 // gates = x_t + h W_hh^T + b_hh; g's tanh as 2 sigmoid(2x) - 1, in the same
-// sigmoid call as i, f, o (Note [tanh as a sigmoid]).
+// sigmoid call as i, f, o (Note [tanh as a sigmoid]). The fused cell adds
+// x_t and the bias itself, so the step's GEMM does not first copy x_t into
+// its output.
 void lstm_step(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& c,
                const Tensor& bias, const Tensor& w_hh_t, const Tensor& w_hr_t, int64_t t,
                int64_t H) {
-  at::baddbmm_out(b.gates, x_t, h, w_hh_t);
   Tensor ws = b.workspace.select(0, t);
   Tensor act = ws.narrow(-1, 0, 4 * H);
   Tensor c_new = ws.narrow(-1, 4 * H, H);
   Tensor out_t = b.output.select(0, t);
   if (b.fused) {  // Note [The fused LSTM cell]
+    group_mm_out(b.gates, h, w_hh_t);
     Tensor h_new = w_hr_t.defined() ? ws.narrow(-1, 5 * H, H) : out_t;
-    lstm_cell_forward_cpu(b.gates, bias, c, act, c_new, h_new);
+    lstm_cell_forward_cpu(x_t, b.gates, bias, c, act, c_new, h_new);
     if (w_hr_t.defined()) {
-      at::bmm_out(out_t, h_new, w_hr_t);  // E,N,H x E,H,P -> E,N,P
+      group_mm_out(out_t, h_new, w_hr_t);  // E,N,H x E,H,P -> E,N,P
     }
     return;
   }
+  at::baddbmm_out(b.gates, x_t, h, w_hh_t);
   if (bias.defined()) {
     b.gates.add_(bias);
   }
@@ -71,7 +74,7 @@ void gru_step(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& bias
   if (bias.defined()) {
     at::baddbmm_out(b.gates, bias, h, w_hh_t);
   } else {
-    at::bmm_out(b.gates, h, w_hh_t);
+    group_mm_out(b.gates, h, w_hh_t);
   }
   Tensor ws = b.workspace.select(0, t);
   Tensor out_t = b.output.select(0, t);
@@ -112,17 +115,18 @@ RecurrenceOutputs recurrence_forward_kernel(const Tensor& input_gates, const Ten
   const int64_t GH = w_hh.size(1), H = GH / gate_count(mode);
   const auto options = input_gates.options();
   Buffers b;
-  b.output = at::empty({T, E, N, P}, options);
-  b.workspace = at::empty({T, E, N, workspace_width(mode, H, w_hr.defined())}, options);
+  // See Note [Steps in the input's memory order].
+  b.output = empty_steps(input_gates, P);
+  b.workspace = empty_steps(input_gates, workspace_width(mode, H, w_hr.defined()));
   b.gates = at::empty({E, N, GH}, options);
   b.scratch = at::empty({E, N, H}, options);
   b.one = one_like(b.scratch);
+  const bool gru = mode == RnnMode::Gru;
+  // the fused cells read the input gates' rows in place
+  b.fused = cell_fusable(b.gates) && (mode == RnnMode::Lstm || gru) &&
+            input_gates.stride(-1) == 1;
   const Tensor w_hh_t = w_hh.transpose(1, 2);                          // E,P,GH
   const Tensor w_hr_t = w_hr.defined() ? w_hr.transpose(1, 2) : w_hr;  // E,H,P
-  const bool gru = mode == RnnMode::Gru;
-  // the GRU cell reads the input gates' rows in place
-  b.fused = cell_fusable(b.gates) &&
-            (mode == RnnMode::Lstm || (gru && input_gates.stride(-1) == 1));
   // E,1,GH; the fused LSTM cell reads rows with a unit stride, zeros for none
   // (the GRU's bias is added by its step's GEMM)
   const bool cell_reads_bias = b.fused && mode == RnnMode::Lstm;

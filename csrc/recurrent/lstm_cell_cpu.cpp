@@ -26,14 +26,18 @@ namespace {
 
 using namespace cell_math;
 
-// One row: pre-activations gates[0:4H] + bias[0:4H], state c[0:H]. (No
-// branch in the loop, which would keep it scalar: an absent bias is zeros.)
+// One row: pre-activations x[0:4H] + hidden[0:4H] + bias[0:4H], state
+// c[0:H]. (No branch in the loop, which would keep it scalar: an absent bias
+// is zeros.)
 __attribute__((target_clones("avx512f", "avx2", "default"))) void lstm_row(
-    const float* __restrict gates, const float* __restrict bias, const float* __restrict c,
-    float* __restrict act, float* __restrict c_new, float* __restrict h, int64_t H) {
+    const float* __restrict x, const float* __restrict hidden, const float* __restrict bias,
+    const float* __restrict c, float* __restrict act, float* __restrict c_new,
+    float* __restrict h, int64_t H) {
   for (int64_t j = 0; j < H; ++j) {
-    const float pi = gates[j] + bias[j], pf = gates[H + j] + bias[H + j];
-    const float pg = gates[2 * H + j] + bias[2 * H + j], po = gates[3 * H + j] + bias[3 * H + j];
+    const float pi = x[j] + hidden[j] + bias[j];
+    const float pf = x[H + j] + hidden[H + j] + bias[H + j];
+    const float pg = x[2 * H + j] + hidden[2 * H + j] + bias[2 * H + j];
+    const float po = x[3 * H + j] + hidden[3 * H + j] + bias[3 * H + j];
     const float i = sigmoid_approx(pi), f = sigmoid_approx(pf);
     const float g = tanh_approx(pg), o = sigmoid_approx(po);
     const float cn = f * c[j] + i * g;
@@ -46,48 +50,53 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void lstm_row(
   }
 }
 
-// One row of the step's backward, with tc = tanh(c') recomputed:
+// One row of the step's backward, with tc = tanh(c') recomputed and
+// dh = dh_next + dh_out:
 // dc* = dc + dh o (1 - tc^2);  [di, df, dg] = dc* [g i(1-i), c f(1-f), i (1-g^2)];
 // do = dh tc o(1-o);  dc_prev = dc* f.
 __attribute__((target_clones("avx512f", "avx2", "default"))) void lstm_row_backward(
-    const float* __restrict dh, const float* __restrict dc, const float* __restrict act,
-    const float* __restrict c_new, const float* __restrict c, float* __restrict d_gates,
-    float* __restrict dc_prev, int64_t H) {
+    const float* __restrict dh_next, const float* __restrict dh_out, const float* __restrict dc,
+    const float* __restrict act, const float* __restrict c_new, const float* __restrict c,
+    float* __restrict d_gates, float* __restrict dc_prev, int64_t H) {
   for (int64_t j = 0; j < H; ++j) {
     const float i = act[j], f = act[H + j], g = act[2 * H + j], o = act[3 * H + j];
     const float tc = tanh_approx(c_new[j]);
-    const float dcs = dc[j] + dh[j] * o * (1.0f - tc * tc);
+    const float dh = dh_next[j] + dh_out[j];
+    const float dcs = dc[j] + dh * o * (1.0f - tc * tc);
     d_gates[j] = dcs * g * (i - i * i);
     d_gates[H + j] = dcs * c[j] * (f - f * f);
     d_gates[2 * H + j] = dcs * i * (1.0f - g * g);
-    d_gates[3 * H + j] = dh[j] * tc * (o - o * o);
+    d_gates[3 * H + j] = dh * tc * (o - o * o);
     dc_prev[j] = dcs * f;
   }
 }
 
 }  // namespace
 
-void lstm_cell_forward_cpu(const at::Tensor& gates, const at::Tensor& bias, const at::Tensor& c,
-                           at::Tensor& act, at::Tensor& c_new, at::Tensor& h) {
-  const int64_t E = gates.size(0), N = gates.size(1), H = c.size(2);
-  assert_contiguous_rows({&gates, &bias, &c, &act, &c_new, &h});
+void lstm_cell_forward_cpu(const at::Tensor& x, const at::Tensor& hidden, const at::Tensor& bias,
+                           const at::Tensor& c, at::Tensor& act, at::Tensor& c_new,
+                           at::Tensor& h) {
+  const int64_t E = x.size(0), N = x.size(1), H = c.size(2);
+  assert_contiguous_rows({&x, &hidden, &bias, &c, &act, &c_new, &h});
   for (int64_t e = 0; e < E; ++e) {
     const float* b_row = bias.data_ptr<float>() + e * bias.stride(0);
     for (int64_t n = 0; n < N; ++n) {
-      lstm_row(row<const float>(gates, e, n), b_row, row<const float>(c, e, n),
+      lstm_row(row<const float>(x, e, n), row<const float>(hidden, e, n), b_row,
+               row<const float>(c, e, n),
                row<float>(act, e, n), row<float>(c_new, e, n), row<float>(h, e, n), H);
     }
   }
 }
 
-void lstm_cell_backward_cpu(const at::Tensor& dh, const at::Tensor& dc, const at::Tensor& act,
-                            const at::Tensor& c_new, const at::Tensor& c, at::Tensor& d_gates,
-                            at::Tensor& dc_prev) {
+void lstm_cell_backward_cpu(const at::Tensor& dh, const at::Tensor& dh_out, const at::Tensor& dc,
+                            const at::Tensor& act, const at::Tensor& c_new, const at::Tensor& c,
+                            at::Tensor& d_gates, at::Tensor& dc_prev) {
   const int64_t E = dh.size(0), N = dh.size(1), H = dh.size(2);
-  assert_contiguous_rows({&dh, &dc, &act, &c_new, &c, &d_gates, &dc_prev});
+  assert_contiguous_rows({&dh, &dh_out, &dc, &act, &c_new, &c, &d_gates, &dc_prev});
   for (int64_t e = 0; e < E; ++e) {
     for (int64_t n = 0; n < N; ++n) {
-      lstm_row_backward(row<const float>(dh, e, n), row<const float>(dc, e, n),
+      lstm_row_backward(row<const float>(dh, e, n), row<const float>(dh_out, e, n),
+                        row<const float>(dc, e, n),
                         row<const float>(act, e, n), row<const float>(c_new, e, n),
                         row<const float>(c, e, n), row<float>(d_gates, e, n),
                         row<float>(dc_prev, e, n), H);
