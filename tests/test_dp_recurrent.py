@@ -2,7 +2,7 @@
 layers and cells, exact against the per-sample loop in float64, with every
 weight clipped from its rows and gate gradients (kind "linear": no
 per-sample copy), and the cases that take the generic path or are refused."""
-from typing import Dict
+from typing import Dict, List, Set
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 import batchrules
+from batchrules.dp import clipping
 from dp_reference import assert_close_rel, loop_clipped_grad
 from test_dp_models import check_model, data, kinds  # noqa: F401 (a fixture)
 
@@ -59,6 +60,25 @@ LAYERS = {
 }
 
 
+@pytest.fixture
+def joint(monkeypatch) -> List[Set[str]]:
+    """The groups of weights whose norms the last clipped_grad call formed
+    jointly (Note [Weights sharing an output gradient] in dp/clipping.py)."""
+    seen: List[Set[str]] = []
+    original = clipping._joint_groups
+
+    def record(params, kinds, fused):
+        groups = original(params, kinds, fused)
+        seen.clear()
+        for group in {id(g): g for g in groups.values()}.values():
+            seen.append({p.name[p.name.index("['") + 2:p.name.rindex("']")]
+                         for u in group for p, role in u.roles().items() if role == "weight"})
+        return groups
+
+    monkeypatch.setattr(clipping, "_joint_groups", record)
+    return seen
+
+
 def only_rules(kinds: Dict[str, str]) -> None:
     assert kinds and all(k in ("linear", "bias") for k in kinds.values()), kinds
 
@@ -69,6 +89,32 @@ def test_layers(routing, kinds, name: str) -> None:
     model = LastStep(rnn) if rnn.batch_first else nn.Sequential(Transpose(), LastStep(rnn))
     check_model(model, *data(5, 3))
     only_rules(kinds)
+
+
+def test_lstm_and_rnn_weights_share_one_ghost_norm(joint) -> None:
+    # W_ih and W_hh of a layer and direction multiply the same gate gradient.
+    check_model(LastStep(LAYERS["lstm_2_layers_bidirectional"]()), *data(5, 3))
+    assert sorted(map(sorted, joint)) == sorted(
+        [[f"rnn.weight_hh_l{k}{d}", f"rnn.weight_ih_l{k}{d}"] for k in (0, 1)
+         for d in ("", "_reverse")])
+    check_model(LastStep(LAYERS["rnn_relu"]()), *data(5, 3))
+    assert joint == [{"rnn.weight_ih_l0", "rnn.weight_hh_l0"}]
+    check_model(Unrolled(nn.LSTMCell(3, 4, bias=False)), *data(1, 3))
+    assert joint == [{"cell.weight_ih", "cell.weight_hh"}]
+
+
+def test_gru_and_twice_used_layers_keep_their_own_norms(joint) -> None:
+    # A GRU's W_hh gradient has the reset gate in its n part; an LSTM applied twice
+    # has two uses of each weight, so its norms are the linears' over both calls.
+    check_model(LastStep(LAYERS["gru"]()), *data(5, 3))
+    assert joint == []
+
+    class Twice(LastStep):
+        def forward(self, x: Tensor) -> Tensor:
+            return super().forward(x) + super().forward(x.flip(1))
+
+    check_model(Twice(nn.LSTM(3, 4, batch_first=True)), *data(5, 3))
+    assert joint == []
 
 
 @pytest.mark.parametrize("cell", [nn.LSTMCell, nn.GRUCell, nn.RNNCell])

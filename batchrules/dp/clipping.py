@@ -102,19 +102,59 @@ def _fused_bias(weight: Param, kinds: Dict[Param, str]) -> Optional[Param]:
     """The bias whose every use is a use of ``weight``, in the role "bias":
     its norm and clipped sum come with the weight's."""
     uses = _live(weight)
-    bias = next((p for p, role in uses[0].roles().items() if role == "bias"), None)
+    bias = _role(uses[0], "bias")
     if bias is None or kinds[bias] != "bias" or _live(bias) != uses:
         return None
     return bias
+
+
+# Note [Weights sharing an output gradient]
+# One call may apply several weights whose per-sample gradients share their
+# output-gradient factor: an LSTM or RNN layer's W_ih (rows x_t) and W_hh
+# (rows h_{t-1}) both multiply the gate gradient g_t. Sample i's squared
+# norms of the two then add up to one ghost norm over their rows side by side,
+#   sum_{t,s} (g_t . g_s)(x_t . x_s + h_{t-1} . h_{s-1}),
+# one Gram of g for both instead of one each. The rule names such uses
+# (Use.grad_partners) and offers joint_norms_sq; the norms are joint where
+# each partner is its weight's only live use, that weight is of the rule's
+# kind and its bias, if any, is fused to it. Otherwise (a layer called twice)
+# each weight's norm is its own.
+def _joint_groups(params: List[Param], kinds: Dict[Param, str],
+                  fused: Dict[Param, Param]) -> Dict[Param, List[Use]]:
+    """Each weight whose norm is part of a joint norm: its group's uses."""
+    groups: Dict[Param, List[Use]] = {}
+    for p in params:
+        live = _live(p)
+        if kinds[p] in _NOT_RULE_KINDS or len(live) != 1 or live[0].grad_partners is None:
+            continue
+        partners = live[0].grad_partners
+        weights = [_role(u, "weight") for u in partners]
+        if all(u.grad is not None and type(u).norms_include_bias and w is not None
+               and kinds.get(w) == type(u).kind and _live(w) == [u]
+               and _role(u, "bias") == fused.get(w) for u, w in zip(partners, weights)):
+            groups.update((w, partners) for w in weights)  # type: ignore[misc]
+    return groups
+
+
+def _role(use: Use, role: str) -> Optional[Param]:
+    return next((p for p, r in use.roles().items() if r == role), None)
 
 
 def _norms(params: List[Param], kinds: Dict[Param, str], fused: Dict[Param, Param],
            per_sample: Dict[Param, Tensor], batch: int) -> Tensor:
     squares: List[Tensor] = []
     in_weight_norm = {b for w, b in fused.items() if type(_live(w)[0]).norms_include_bias}
+    joint = _joint_groups(params, kinds, fused)
+    joined: List[List[Use]] = []
     for p in params:
         k = kinds[p]
-        if k in _PER_SAMPLE:
+        if p in joint:  # Note [Weights sharing an output gradient]
+            group = joint[p]
+            if not any(group is g for g in joined):
+                joined.append(group)
+                biases = [fused.get(_role(u, "weight")) for u in group]  # type: ignore[arg-type]
+                squares.append(type(group[0]).joint_norms_sq(group, biases))
+        elif k in _PER_SAMPLE:
             if p not in in_weight_norm:
                 per_sample[p] = per_sample_grad(p, batch)
                 squares.append(sq_norms(per_sample[p].flatten(1), 1))

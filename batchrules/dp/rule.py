@@ -89,6 +89,9 @@ class Use(Rule):
     # Whether ``norms_sq`` covers the fused bias too; if not, the bias' norm
     # comes from its per-sample gradient.
     norms_include_bias: ClassVar[bool] = False
+    # The uses of one call that read back the same output gradient, this one
+    # included, where the rule offers ``joint_norms_sq`` for them.
+    grad_partners: Optional[List["Use"]] = None
 
     def roles(self) -> Dict[Param, str]:
         """The parameters of this use, each with its role ("weight" / "bias")."""
@@ -134,6 +137,14 @@ class Use(Rule):
         """``sum_i coef_i (gradient of sample i)`` for the weight and for
         ``bias`` (None without one). ``owned(g)``: whether the recorded output
         gradient ``g`` may be scaled in place (clipping.py)."""
+        raise NotImplementedError
+
+    @classmethod
+    def joint_norms_sq(cls, uses: List["Use"], biases: List[Optional[Param]]) -> Tensor:
+        """``[B]``: the summed squared norms of several weights, each used once,
+        by these uses that share one output gradient (``grad_partners``), and
+        of their fused biases (Note [Weights sharing an output gradient] in
+        clipping.py)."""
         raise NotImplementedError
 
 

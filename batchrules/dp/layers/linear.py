@@ -93,6 +93,21 @@ class LinearUse(Use):
         return squares + sq_norms(bias_grads(uses, g), 1) if bias is not None else squares
 
     @classmethod
+    def joint_norms_sq(cls, uses: List[Use], biases: List[Optional[Param]]) -> Tensor:
+        """One ghost norm of the shared gradient g over the uses' rows side by
+        side (Note [Weights sharing an output gradient] in clipping.py), plus
+        each fused bias' ``||sum_t g_i,t||^2``."""
+        g = uses[0].grad
+        rows = torch.cat([u.rows for u in uses], -1)  # type: ignore[attr-defined]
+        squares = rows_norms_sq(rows, g)
+        if any(b is not None for b in biases):
+            g_sum_sq = sq_norms(bias_grads(uses, g), 1)
+            for u in uses:  # one row sum for every partner's bias (and its clipped sum)
+                u.grad_row_sum = uses[0].grad_row_sum  # type: ignore[attr-defined]
+            squares = squares + sum(b is not None for b in biases) * g_sum_sq
+        return squares
+
+    @classmethod
     def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
                     owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
         """The weight's clipped sum in one GEMM (``weight_sum``; c folded into the
@@ -163,10 +178,18 @@ def recorded_linear(tape: Tape, rows: Tensor, batch: int, w: Tensor, b: Optional
     """``F.linear(rows, w, b)`` on physical rows ``[B*T, I]`` (``batch`` = B), recorded; returns
     the fresh ``[B*T, O]`` output (Note [Tapping an output that may later
     change in place]: callers hand the loss views of it)."""
+    return linear_use(tape, rows, batch, w, b)[0]
+
+
+def linear_use(tape: Tape, rows: Tensor, batch: int, w: Tensor, b: Optional[Tensor],
+               add_bias: bool = True) -> Tuple[Tensor, LinearUse]:
+    """``recorded_linear``, and the use it recorded; with ``add_bias`` False the
+    output leaves out the parameter ``b``, which the caller adds to it later
+    (the use still has it as its bias)."""
     weight, bias = tape.param(w), tape.param(b)
     w_op = weight_for(w, rows.requires_grad or (b is not None and bias is None and b.requires_grad))
-    out = F.linear(rows, w_op, b.detach() if bias is not None else b)
+    out = F.linear(rows, w_op, (b.detach() if add_bias else None) if bias is not None else b)
     per_sample = rows.shape[0] // batch if batch else 0
     use = LinearUse(weight, bias, rows.view(batch, per_sample, rows.shape[-1]), tap(out))
     tape.record(use, (rows,), "linear")
-    return out
+    return out, use

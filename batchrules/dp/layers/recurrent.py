@@ -8,7 +8,10 @@ multiplies the previous state: its gradient is ``sum_t k_t h_{t-1}^T`` with
 LSTM and RNN, and for GRU ``g_t`` with its n part times the reset gate
 (``n = tanh(x_n + r (h W_hn^T + b_hn))``). So ``W_hh`` (with ``b_hh``) is a
 linear use too, of the previous states, read back through the same gates'
-edge: both norms are ghost norms, both clipped sums one GEMM. The loop over
+edge: both norms are ghost norms, both clipped sums one GEMM. For LSTM and
+RNN the two gradients are the same ``g_t``, so the two norms are one ghost
+norm over ``[x_t, h_{t-1}]`` (Note [Weights sharing an output gradient] in
+clipping.py), and ``b_ih`` joins ``b_hh`` in the recurrence. The loop over
 time is ``batchrules.rnn_recurrence`` on all samples' rows at once, with
 ``W_hh`` detached: its gradient comes from the use alone. A layer with a
 projection (``proj_size``), or only some of its parameters differentiated,
@@ -23,7 +26,7 @@ from torch import Tensor
 
 from ..rule import NOT_HANDLED, Rule, batched, bind, physical, register
 from ..tape import Param, Tape, tap
-from .linear import LinearUse, recorded_linear
+from .linear import LinearUse, linear_use
 
 _LAYER_ARGS = (("input", "hx", "params", "has_biases", "num_layers", "dropout", "train",
                 "bidirectional", "batch_first"), ())
@@ -64,12 +67,19 @@ def _layer(tape: Tape, a: Tensor, h0: Tensor, c0: Optional[Tensor], w: Sequence[
     b_ih, b_hh = (w[2], w[3]) if len(w) == 4 else (None, None)
     batch, steps, rows, width = a.shape
     hidden = w_hh.shape[0] // _GATES[mode]
-    gates = recorded_linear(tape, a.reshape(-1, width), batch, w_ih, b_ih)  # B*T*N, G*H
+    # Outside a GRU's reset gate b_ih and b_hh add up: the recurrence adds
+    # both in its cell, instead of a pass of b_ih over every step's gates.
+    shared_g = mode != 1
+    gates, input_use = linear_use(tape, a.reshape(-1, width), batch, w_ih, b_ih,
+                                  add_bias=not shared_g)  # B*T*N, G*H
+    b_step = None if b_hh is None else b_hh.detach()
+    if shared_g and b_step is not None:
+        b_step = b_step + b_ih.detach()
     # B,T,N,GH -> T,B*N,GH: every sample's rows in one recurrence
     folded = gates.view(batch, steps, rows, -1).transpose(0, 1).reshape(steps, batch * rows, -1)
     out, h_n, c_n, saved = _RECURRENCE(
         folded, h0.reshape(batch * rows, hidden), None if c0 is None else c0.reshape(-1, hidden),
-        w_hh.detach(), None if b_hh is None else b_hh.detach(), None, mode, reverse)
+        w_hh.detach(), b_step, None, mode, reverse)
     out = out.view(steps, batch, rows, hidden).transpose(0, 1)  # B,T,N,H
     start = h0.detach().unsqueeze(1)
     rest = out.detach()
@@ -82,6 +92,8 @@ def _layer(tape: Tape, a: Tensor, h0: Tensor, c0: Optional[Tensor], w: Sequence[
     use = HiddenUse(tape.param(w_hh), tape.param(b_hh), prev.reshape(batch, -1, hidden),
                     tap(gates), reset=reset)
     tape.record(use, (), "recurrence")
+    if shared_g:  # Note [Weights sharing an output gradient] in clipping.py
+        input_use.grad_partners = use.grad_partners = [input_use, use]
     return out, h_n.view(batch, rows, hidden), None if c_n is None else c_n.view(batch, rows, -1)
 
 
