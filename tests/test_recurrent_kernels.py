@@ -25,8 +25,8 @@ def loss(module: nn.Module, p: Dict[str, Tensor], x: Tensor) -> Tensor:
     return functional_call(module, p, (x,))[0].square().mean()
 
 
-def members(rows: int, dtype=torch.float32):
-    models = [nn.LSTM(3, 4, batch_first=True).to(dtype) for _ in range(3)]
+def members(rows: int, dtype=torch.float32, hidden: int = 4):
+    models = [nn.LSTM(3, hidden, batch_first=True).to(dtype) for _ in range(3)]
     params, _ = stack_module_state(models)
     return models, {k: v.detach() for k, v in params.items()}, torch.randn(rows, 5, 3, dtype=dtype)
 
@@ -36,11 +36,19 @@ def member_grads(models, x) -> Dict[str, Tensor]:
     return {k: torch.stack([r[i] for r in rows]) for i, (k, _) in enumerate(models[0].named_parameters())}
 
 
-@pytest.mark.parametrize("rows,kernel", [(10, TRAINING), (2, RECURRENCE)])
-def test_ensemble_training(rows: int, kernel: str) -> None:
-    # A member loop of oneDNN's fused layer and backward where each member has
-    # rows enough, else one bmm a step over all members.
-    models, params, x = members(rows)
+def small_members(rows: int, hidden: int) -> bool:
+    """Whether an ensemble's members take the recurrence by their size: fewer
+    than 8 rows, or fewer than kMinOneDnnMemberWork = 768 rows x hidden
+    where MKL's GEMM is the faster (Note [oneDNN's LSTM layer under transforms])."""
+    return rows < 8 or (rows * hidden < 768 and _C._mkl_gemm_beats_onednn())
+
+
+@pytest.mark.parametrize("rows,hidden", [(12, 64), (10, 4), (2, 64)])
+def test_ensemble_training(rows: int, hidden: int) -> None:
+    # A member loop of oneDNN's fused layer and backward where each member is
+    # large enough, else one bmm a step over all members.
+    kernel = RECURRENCE if small_members(rows, hidden) else TRAINING
+    models, params, x = members(rows, hidden=hidden)
     want = member_grads(models, x)
     got, names = ran(lambda: vmap(grad(lambda p: loss(models[0], p, x)))(params))
     assert kernel in names and ({TRAINING, RECURRENCE} - {kernel}).isdisjoint(names)
@@ -55,10 +63,10 @@ def test_ensemble_training(rows: int, kernel: str) -> None:
 def test_nested_ensembles_split_the_workspace_list_per_level() -> None:
     # Note [The fused layer's workspace list]: 2 x 3 members, one fused call
     # each; each level's backward rule hands each member its part of the list.
-    models = [nn.LSTM(3, 4, batch_first=True) for _ in range(6)]
+    models = [nn.LSTM(3, 64, batch_first=True) for _ in range(6)]  # members not small_members
     stacked, _ = stack_module_state(models)
     params = {k: v.detach().unflatten(0, (2, 3)) for k, v in stacked.items()}
-    x = torch.randn(10, 5, 3)
+    x = torch.randn(12, 5, 3)
     per_member = vmap(vmap(grad(lambda p: loss(models[0], p, x))))
     got, names = ran(lambda: per_member(params))
     assert TRAINING in names and RECURRENCE not in names
@@ -111,16 +119,15 @@ def test_inference_folds_into_one_fused_call() -> None:
 
 @pytest.mark.parametrize("hidden,rows", [(4, 10), (64, 12)])
 def test_ensemble_inference(hidden: int, rows: int) -> None:
-    # A member loop of oneDNN's layer, except for members of fewer than
-    # kMinOneDnnMemberWork = 768 rows x hidden where MKL's GEMM is the faster:
-    # one bmm a step over all members (Note [oneDNN's LSTM layer under transforms]).
+    # A member loop of oneDNN's layer, except for small_members: one bmm a step
+    # over all members.
     models = [nn.LSTM(3, hidden, batch_first=True) for _ in range(3)]
     params, _ = stack_module_state(models)
     x = torch.randn(rows, 5, 3)
     with torch.no_grad():
         got, names = ran(lambda: vmap(lambda p: functional_call(models[0], p, (x,))[0])(params))
         want = torch.stack([m(x)[0] for m in models])
-    small = rows * hidden < 768 and _C._mkl_gemm_beats_onednn()
+    small = small_members(rows, hidden)
     assert (RECURRENCE if small else INFERENCE) in names
     assert (INFERENCE if small else RECURRENCE) not in names
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -19,12 +19,13 @@
 //  - batched weights need at least 8 rows a member in both, below which one
 //    bmm over all members (hypernetworks: one row each) beats a loop of
 //    small fused calls; where MKL's GEMM is the faster (Note [MKL or oneDNN
-//    by CPU vendor]) an ensemble's inference also needs at least
-//    kMinOneDnnMemberWork rows x hidden a member: measured there (8 LSTMs
-//    32->H, 20 steps, interleaved), the recurrence takes 0.92x oneDNN's
-//    loop's time at 16 rows x 32, 1.01x at 16 x 48, 1.08x at 16 x 64 and
-//    1.2-1.4x from 64 x 32 up; training keeps oneDNN's layer (the
-//    recurrence's backward: 1.1-2.4x slower);
+//    by CPU vendor]) an ensemble also needs at least kMinOneDnnMemberWork
+//    rows x hidden a member: measured there (8 LSTMs 32->H, 20 steps,
+//    interleaved), the recurrence takes 0.92x oneDNN's loop's time in
+//    inference at 16 rows x 32, 1.01x at 16 x 48, 1.08x at 16 x 64 and
+//    1.2-1.4x from 64 x 32 up; in training (a vmap(grad) step) 0.84x at
+//    16 x 32, 1.02x at 16 x 48 and 1.0x at 16 x 64 (Note [A step's GEMM];
+//    before it, 1.1-2.4x);
 //  - anything else, per-sample weight gradients above all (vmap(grad) with
 //    shared weights): rnn_recurrence, whose weight gradients are one bmm per
 //    sample; or its decomposition under higher-order transforms.
@@ -99,8 +100,8 @@ LstmKernel lstm_kernel(const Tensor& input, at::TensorList hx, at::TensorList pa
   const WeightBatching weights = weight_batching(params);
   const bool few_rows = input.dim() != 3 || input.size(batch_first ? 0 : 1) < kMinRowsPerMember;
   const bool training = inside_grad_transform();
-  const bool small_inference = !training && mkl_gemm_beats_onednn() && small_members(hx);
-  if (weights.per_example || (weights.somewhere && (few_rows || small_inference))) {
+  const bool small = mkl_gemm_beats_onednn() && small_members(hx);
+  if (weights.per_example || (weights.somewhere && (few_rows || small))) {
     return LstmKernel::Recurrence;
   }
   return training ? LstmKernel::OneDnnTraining : LstmKernel::OneDnnInference;
