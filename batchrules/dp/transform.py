@@ -38,6 +38,7 @@ from .. import routing
 from .._compat import batched_level, current_transform_level, unwrap_batched
 from ..compile import eager_under_compile
 from .clipping import clip
+from .gc_pause import paused_gc
 from .interceptor import Interceptor, intercepted_leaf
 from .layers import INTERCEPTS
 from .tape import Param, Tape
@@ -121,6 +122,7 @@ def _check_argnums(argnums: Any) -> None:
 
 
 @eager_under_compile  # torch.compile does not trace it: it runs eagerly between graphs
+@paused_gc()  # Note [No cyclic collection during a step]
 def _clipped_grad(loss: Callable[..., Any], max_norm: float, in_dims: Any, argnums: ArgNums,
                   has_aux: bool, randomness: str, args: Tuple[Any, ...]) -> Any:
     """One step: the forward under vmap, the one backward, the clipping."""

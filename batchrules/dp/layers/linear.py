@@ -56,6 +56,7 @@ class LinearUse(Use):
 
     def release(self) -> None:
         self.grad = self.rows = self.grad_row_sum = None  # type: ignore[assignment]
+        self.grad_partners = None  # a cycle through the partners' list
 
     @classmethod
     def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
