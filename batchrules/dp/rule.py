@@ -213,3 +213,12 @@ def autocast_matches(x: Tensor, w: Tensor) -> bool:
         return True
     return ({x.dtype, w.dtype} <= _AUTOCAST_CASTS
             and torch.is_autocast_enabled(x.device.type))
+
+
+def autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast casts ``x`` to for an op on its lower-precision list,
+    None outside autocast (or for a dtype it leaves alone)."""
+    device = x.device.type
+    if x.dtype in _AUTOCAST_CASTS and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return None

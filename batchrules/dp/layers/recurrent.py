@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..rule import NOT_HANDLED, Rule, batched, bind, physical, register
+from ..rule import NOT_HANDLED, Rule, autocast_dtype, batched, bind, physical, register
 from ..tape import Param, Tape, tap
 from .linear import LinearUse, linear_use
 
@@ -75,11 +75,14 @@ def _layer(tape: Tape, a: Tensor, h0: Tensor, c0: Optional[Tensor], w: Sequence[
     b_step = None if b_hh is None else b_hh.detach()
     if shared_g and b_step is not None:
         b_step = b_step + b_ih.detach()
-    # B,T,N,GH -> T,B*N,GH: every sample's rows in one recurrence
+    # B,T,N,GH -> T,B*N,GH: every sample's rows in one recurrence, in the
+    # state's dtype (see Note [Recurrent layers under autocast])
     folded = gates.view(batch, steps, rows, -1).transpose(0, 1).reshape(steps, batch * rows, -1)
+    state = h0.dtype
     out, h_n, c_n, saved = _RECURRENCE(
-        folded, h0.reshape(batch * rows, hidden), None if c0 is None else c0.reshape(-1, hidden),
-        w_hh.detach(), b_step, None, mode, reverse)
+        folded.to(state), h0.reshape(batch * rows, hidden),
+        None if c0 is None else c0.reshape(-1, hidden), w_hh.detach().to(state),
+        None if b_step is None else b_step.to(state), None, mode, reverse)
     out = out.view(steps, batch, rows, hidden).transpose(0, 1)  # B,T,N,H
     start = h0.detach().unsqueeze(1)
     rest = out.detach()
@@ -96,6 +99,16 @@ def _layer(tape: Tape, a: Tensor, h0: Tensor, c0: Optional[Tensor], w: Sequence[
         input_use.grad_partners = use.grad_partners = [input_use, use]
     return out, h_n.view(batch, rows, hidden), None if c_n is None else c_n.view(batch, rows, -1)
 
+
+# Note [Recurrent layers under autocast]
+# The rule follows aten's CPU and CUDA autocast policy for these ops, as the
+# routes do (csrc/recurrent/routes.cpp): an LSTM or RNN layer runs in the
+# lower precision (input, states and weights cast; the output in that dtype),
+# a GRU layer and the cells keep their state's dtype, with only their linears
+# cast. So the input projection (a linear, cast by autocast itself) hands the
+# recurrence gates of the state's dtype, or is brought to it. The recorded
+# rows and gate gradients are brought to the weights' dtype before the norms
+# (Note [clipped_grad under autocast] in transform.py).
 
 class RecurrentLayerRule(Rule):
     """``torch.lstm/gru/rnn_tanh/rnn_relu`` (what nn.LSTM, nn.GRU, nn.RNN call)."""
@@ -124,6 +137,10 @@ class RecurrentLayerRule(Rule):
             return NOT_HANDLED
         if batch_first:
             a = a.transpose(1, 2)  # B,N,T,I -> B,T,N,I
+        low = autocast_dtype(a) if cls.mode != 1 else None  # Note [Recurrent layers under autocast]
+        if low is not None:
+            a, hp = a.to(low), hp.to(low)
+            cp = None if cp is None else cp.to(low)
         per_layer = 4 if has_biases else 2
         directions = 2 if bidirectional else 1
         h_n: List[Tensor] = []
