@@ -5,7 +5,8 @@ the extension is compiled for the torch in this environment; see Note [Building
 against the installed torch]. ``DEBUG=1`` builds with ``-O0 -g``; otherwise
 ``-O3 -g0``: no debug info (Python's CFLAGS ask for ``-g``), which took more
 than half of each file's compile time (torch's headers) and all but 1.8 MB
-of the 78 MB built library.
+of the 78 MB built library. With GCC, torch's headers are precompiled once per
+build (Note [Precompiled torch headers]); ``BATCHRULES_PCH=0`` builds without.
 
 Note [Building against the installed torch]
 A C++ extension is only ABI-compatible with the exact torch it was compiled
@@ -18,14 +19,16 @@ against that one instead of the installed one). The build writes
 compares it with the running torch before loading the extension.
 """
 import glob
+import hashlib
 import os
+import subprocess
 import sys
 
 from setuptools import find_packages, setup
 
 try:
     import torch
-    from torch.utils.cpp_extension import BuildExtension, CppExtension
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, get_cxx_compiler
 except ImportError as e:
     sys.exit(
         "batchrules compiles its C++ extension against the installed torch, but torch cannot be "
@@ -40,14 +43,14 @@ if torch.__version__ < MIN_TORCH:
              f'pip install "torch>={MIN_TORCH}", then pip install --no-build-isolation -e .')
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+TORCH_INCLUDE = os.path.join(os.path.dirname(torch.__file__), "include")
 BUILD_INFO = os.path.join("batchrules", "_build_info.py")
 
 
 def nlohmann_include_dirs() -> list:
     # torch's ATen/functorch/Interpreter.h includes <nlohmann/json.hpp> (2.13
     # and 2.14), which the wheels do not ship; the PyPI package nlohmann-json does.
-    header = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "functorch",
-                          "Interpreter.h")
+    header = os.path.join(TORCH_INCLUDE, "ATen", "functorch", "Interpreter.h")
     with open(header) as f:
         if "nlohmann/json.hpp" not in f.read():
             return []
@@ -76,8 +79,90 @@ def build_record(in_place: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Note [Precompiled torch headers]
+# Parsing torch's headers (ATen/ATen.h alone: 7 s) was most of each file's
+# compile time: 8.3 s of which 7.0 s parsing for csrc/recurrent/forward.cpp, and
+# the whole build ~10 minutes on CI's 2 cores. csrc/precompiled.h names the
+# headers most files include; GCC compiles it once per build into a .gch
+# (~20 s), and every file is compiled with `-include` of it, which loads the
+# parsed headers instead of parsing them again (forward.cpp: 3.7 s). The .gch is
+# only valid for the exact flags it was built with, so it is compiled by the
+# same compiler with the flags torch's ninja build gives every file, and rebuilt
+# when they, the header or torch change; GCC checks its validity itself and
+# falls back to parsing (a -Winvalid-pch warning) rather than miscompiling.
+# torch's include directories are also passed as -isystem: a pending template
+# instantiation in the precompiled headers would otherwise warn (-Wsign-compare)
+# in every file.
+PCH_HEADER = os.path.join(HERE, "csrc", "precompiled.h")
+
+
+def precompiled_header_enabled() -> bool:
+    if os.getenv("BATCHRULES_PCH", "1") == "0":
+        return False
+    try:
+        version = subprocess.run([get_cxx_compiler(), "--version"], capture_output=True,
+                                 text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    return "Free Software Foundation" in version and "clang" not in version
+
+
+def precompile(command: list, header: str, text: str) -> None:
+    """Writes `text` to `header` and runs `command` (its .gch), unless the .gch
+    of this exact command and text is there already."""
+    key = hashlib.sha256("\0".join(command + [text]).encode()).hexdigest()
+    stamp = header + ".gch.key"
+    if os.path.exists(stamp) and open(stamp).read() == key:
+        return
+    os.makedirs(os.path.dirname(header), exist_ok=True)
+    with open(header, "w") as f:
+        f.write(text)
+    print("precompiling torch's headers:", " ".join(command), flush=True)
+    subprocess.run(command, check=True)
+    with open(stamp, "w") as f:
+        f.write(key)
+
+
+def compile_with_precompiled_header(compiler, build_temp: str):
+    """Wraps torch's ninja `compile` so that every file is compiled with the
+    precompiled torch headers, built first with the same flags."""
+    ninja_compile = compiler.compile
+
+    def compile(sources, output_dir=None, macros=None, include_dirs=None, debug=0,
+                extra_preargs=None, extra_postargs=None, depends=None):
+        # -isystem hides torch's headers from ninja's dependency files too: the
+        # torch build below is in every command instead, so that a new torch
+        # rebuilds every file (ninja rebuilds a file whose command changed).
+        torch_build = hashlib.sha256(f"{torch.__version__} {torch.version.git_version}".encode())
+        post_cflags = [*extra_postargs["cxx"],
+                       *[flag for d in include_dirs if d.startswith(TORCH_INCLUDE)
+                         for flag in ("-isystem", d)],
+                       f"-DBATCHRULES_TORCH_BUILD={torch_build.hexdigest()[:16]}"]
+        # The flags torch's ninja rule gives each file: $cxx $cflags -c $in -o $out $post_cflags.
+        _, _, _, pp_opts, _ = compiler._setup_compile(output_dir, macros, include_dirs, [],
+                                                      depends, extra_postargs)
+        cflags = compiler.compiler_so[1:] + compiler._get_cc_args(pp_opts, debug, extra_preargs)
+        header = os.path.abspath(os.path.join(build_temp, "pch", "precompiled.h"))
+        with open(PCH_HEADER) as f:
+            precompile([get_cxx_compiler(), *cflags, "-x", "c++-header", header,
+                        "-o", header + ".gch", *post_cflags], header, f.read())
+        post_cflags += ["-include", header, "-Winvalid-pch"]
+        return ninja_compile(sources, output_dir, macros, include_dirs, debug, extra_preargs,
+                             dict(extra_postargs, cxx=post_cflags), depends)
+
+    return compile
+
+
 class BuildWithRecord(BuildExtension):
-    """BuildExtension that also writes the build record next to the extension."""
+    """BuildExtension that also writes the build record next to the extension,
+    and compiles with precompiled torch headers (Note [Precompiled torch headers])."""
+
+    def build_extension(self, ext) -> None:
+        # torch's build_extensions has installed its ninja `compile` by now.
+        if precompiled_header_enabled():
+            self.compiler.compile = compile_with_precompiled_header(self.compiler,
+                                                                    self.build_temp)
+        super().build_extension(ext)
 
     def run(self) -> None:
         super().run()
@@ -90,7 +175,8 @@ class BuildWithRecord(BuildExtension):
 
 
 debug = os.getenv("DEBUG", "0") == "1"
-cxx_flags = ["-O0", "-g"] if debug else ["-O3", "-g0"]
+# -std as torch's build would add it, but before the precompiled header is built.
+cxx_flags = (["-O0", "-g"] if debug else ["-O3", "-g0"]) + ["-std=c++20"]
 
 setup(
     name="batchrules",

@@ -159,8 +159,12 @@ BatchedResult linear_rule_2d_weight(const Tensor& input, std::optional<int64_t> 
                                     std::optional<int64_t> bias_bdim) {
   const bool fuse_bias = bias.has_value() && logical_rank(*bias, bias_bdim) <= 1 &&
                          (!bias_bdim.has_value() || weight_bdim.has_value());
-  const std::optional<Tensor> fused = fuse_bias ? bias : std::nullopt;
-  const std::optional<int64_t> fused_bdim = fuse_bias ? bias_bdim : std::nullopt;
+  std::optional<Tensor> fused;
+  std::optional<int64_t> fused_bdim;
+  if (fuse_bias) {
+    fused = bias;
+    fused_bdim = bias_bdim;
+  }
 
   BatchedResult result;
   if (!weight_bdim.has_value()) {
