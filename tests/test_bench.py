@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchrules.bench.__main__ import compiled_tiers
+from batchrules.bench.__main__ import compiled_tiers, main as bench_main
 from batchrules.bench.baselines.opacus_variants import opacus_missing_reason
 from batchrules.bench.case import TIERS, Variant
 from batchrules.bench.compiled import (check_no_recompile, compile_failure, compile_now,
@@ -128,16 +128,19 @@ def test_smoke_kernels_per_linear_forward(smoke_record: dict) -> None:
     assert ensemble["stock"]["kernels_per_linear_forward"] >= floor
 
 
-def test_cli_list_and_unmatched_filter() -> None:
-    """Twins only with --full or --compiled; the default is the headline."""
-    for args, compiled in ((("--quick",), False), (("--quick", "--compiled"), True), (("--full",), True)):
-        proc = run_cli(*args, "--list")
-        assert proc.returncode == 0 and "psg_cnn/b8" in proc.stdout
-        assert {line.split()[2] for line in proc.stdout.splitlines()} == {"compiled" if compiled else "eager"}
-    default = run_cli("--list")
-    listed = [line.split()[0] for line in default.stdout.splitlines()]
+def test_cli_list_and_unmatched_filter(capsys: pytest.CaptureFixture) -> None:
+    """Twins only with --full or --compiled; the default is the headline. In
+    process: --list and an unmatched --only return before touching any setting."""
+    for args, compiled in ((["--quick"], False), (["--quick", "--compiled"], True), (["--full"], True)):
+        assert bench_main([*args, "--list"]) == 0
+        out = capsys.readouterr().out
+        assert "psg_cnn/b8" in out
+        assert {line.split()[2] for line in out.splitlines()} == {"compiled" if compiled else "eager"}
+    assert bench_main(["--list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert listed == [c.name for c in all_cases("headline")]
-    assert run_cli("--only", "no_such_case").returncode == 2
+    assert bench_main(["--only", "no_such_case"]) == 2
+    assert "no case matches" in capsys.readouterr().err
 
 
 def test_default_mode_prints_the_headline_table(tmp_path: Path) -> None:

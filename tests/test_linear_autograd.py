@@ -69,13 +69,27 @@ def linear_backward_reference(x: Tensor, g: Tensor, w: Tensor,
 # Slow-mode gradcheck builds full Jacobians column by column; on the larger
 # OpInfo samples that is seconds each. Every sample gets fast mode (random
 # projections of the Jacobians: any wrong formula still fails) and one sample
-# of each kind gets slow mode, which compares every entry.
+# of each kind gets slow mode, which compares every entry: in float64 every
+# kind, in complex128 (several times the float64 cost: real and imaginary parts
+# are checked apart) the kinds of COMPLEX_SLOW_KINDS, the conjugate view
+# among them.
+COMPLEX_SLOW_KINDS = ("opinfo", "weight_1d", "bias_broadcast", "leading_dims", "conj_view")
+
+
+def slow_mode_samples(samples: List[LinearSample], kinds: Optional[int] = None) -> List[LinearSample]:
+    """One sample of each kind: of the first `kinds` (all by default) in float64,
+    of COMPLEX_SLOW_KINDS in complex128 (Note [gradcheck budget])."""
+    firsts = first_of_each_kind(samples)
+    if samples[0].input.is_complex():
+        return [s for s in firsts if s.kind in COMPLEX_SLOW_KINDS]
+    return firsts[:kinds]
+
 
 @pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=str)
 def test_linear_gradcheck(dtype: torch.dtype) -> None:
     """Reverse and forward mode against finite differences."""
     samples = grad_samples(dtype)
-    for fast_mode, subset in [(True, samples), (False, first_of_each_kind(samples))]:
+    for fast_mode, subset in [(True, samples), (False, slow_mode_samples(samples))]:
         for sample in subset:
             fn, args = linear_fn(sample)
             assert gradcheck(fn, args, check_forward_ad=True, check_undefined_grad=True,
@@ -86,7 +100,7 @@ def test_linear_gradcheck(dtype: torch.dtype) -> None:
 def test_linear_gradgradcheck(dtype: torch.dtype) -> None:
     """Double backward and forward-over-reverse."""
     samples = grad_samples(dtype)
-    for fast_mode, subset in [(True, samples), (False, first_of_each_kind(samples))]:
+    for fast_mode, subset in [(True, samples), (False, slow_mode_samples(samples))]:
         for sample in subset:
             fn, args = linear_fn(sample)
             assert gradgradcheck(fn, args, check_fwd_over_rev=True, fast_mode=fast_mode), sample
@@ -96,7 +110,7 @@ def test_linear_gradgradcheck(dtype: torch.dtype) -> None:
 def test_linear_backward_gradcheck(dtype: torch.dtype) -> None:
     """The full output_mask on every sample, every other mask on one of each kind."""
     samples = grad_samples(dtype)
-    for fast_mode, subset in [(True, samples), (False, first_of_each_kind(samples))]:
+    for fast_mode, subset in [(True, samples), (False, slow_mode_samples(samples))]:
         for sample in subset:
             assert gradcheck(linear_backward_fn((True, True, True)), linear_backward_args(sample),
                              check_forward_ad=True, check_undefined_grad=True,
@@ -111,7 +125,7 @@ def test_linear_backward_gradcheck(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=str)
 def test_linear_backward_gradgradcheck(dtype: torch.dtype) -> None:
     samples = grad_samples(dtype)
-    for fast_mode, subset in [(True, samples), (False, first_of_each_kind(samples)[:8])]:
+    for fast_mode, subset in [(True, samples), (False, slow_mode_samples(samples, 8))]:
         for sample in subset:
             assert gradgradcheck(linear_backward_fn((True, True, True)),
                                  linear_backward_args(sample), check_fwd_over_rev=True,
