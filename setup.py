@@ -113,8 +113,10 @@ def precompile(command: list, header: str, text: str) -> None:
     of this exact command and text is there already."""
     key = hashlib.sha256("\0".join(command + [text]).encode()).hexdigest()
     stamp = header + ".gch.key"
-    if os.path.exists(stamp) and open(stamp).read() == key:
-        return
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            if f.read() == key:
+                return
     os.makedirs(os.path.dirname(header), exist_ok=True)
     with open(header, "w") as f:
         f.write(text)
