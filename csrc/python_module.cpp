@@ -25,7 +25,7 @@
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <pybind11/gil_safe_call_once.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 
 namespace {
 

@@ -30,7 +30,7 @@ struct Buffers {
 // sigmoid call as i, f, o (Note [tanh as a sigmoid]). The fused cell adds
 // x_t and the bias itself, so the step's GEMM does not first copy x_t into
 // its output.
-void lstm_step(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& c,
+void lstm_step_into(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& c,
                const Tensor& bias, const Tensor& w_hh_t, const Tensor& w_hr_t, int64_t t,
                int64_t H) {
   Tensor ws = b.workspace.select(0, t);
@@ -69,7 +69,7 @@ void lstm_step(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& c,
 }
 
 // r,z,n and hn = (h W_hh^T + b_hh)_n into the workspace row; h' into out_t.
-void gru_step(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& bias,
+void gru_step_into(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& bias,
               const Tensor& w_hh_t, int64_t t, int64_t H) {
   if (bias.defined()) {
     at::baddbmm_out(b.gates, bias, h, w_hh_t);
@@ -94,7 +94,7 @@ void gru_step(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& bias
   out_t.mul_(rz.narrow(-1, H, H)).add_(n);
 }
 
-void rnn_step(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& bias,
+void rnn_step_into(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& bias,
               const Tensor& w_hh_t, int64_t t, RnnMode mode) {
   Tensor out_t = b.output.select(0, t);
   at::baddbmm_out(out_t, x_t, h, w_hh_t);
@@ -141,12 +141,12 @@ RecurrenceOutputs recurrence_forward_kernel(const Tensor& input_gates, const Ten
     const int64_t t = reverse ? T - 1 - s : s;
     const Tensor x_t = x.select(0, t);
     if (mode == RnnMode::Lstm) {
-      lstm_step(b, x_t, h, c, bias, w_hh_t, w_hr_t, t, H);
+      lstm_step_into(b, x_t, h, c, bias, w_hh_t, w_hr_t, t, H);
       c = b.workspace.select(0, t).narrow(-1, 4 * H, H);
     } else if (gru) {
-      gru_step(b, x_t, h, bias, w_hh_t, t, H);
+      gru_step_into(b, x_t, h, bias, w_hh_t, t, H);
     } else {
-      rnn_step(b, x_t, h, bias, w_hh_t, t, mode);
+      rnn_step_into(b, x_t, h, bias, w_hh_t, t, mode);
     }
     h = b.output.select(0, t);
   }
