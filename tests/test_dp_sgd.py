@@ -1,14 +1,14 @@
 """The DP-SGD example: one step against the per-sample loop, determinism, an
-empty Poisson batch, the accountant, and 2 gloo ranks against one process."""
+empty Poisson batch, the accountant and the sharded noise (its 2 gloo ranks
+against one process: test_dp_ddp.py)."""
 import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from batchrules.examples import dp_sgd, dp_sgd_ranks
+from batchrules.examples import dp_sgd
 from dp_reference import loop_clipped_grad
 
 CONFIG = dp_sgd.DPConfig(steps=4, examples=48, sample_rate=0.1, noise_multiplier=0.7)
@@ -70,21 +70,6 @@ def test_main_prints_progress_and_epsilon(capsys) -> None:
     out = capsys.readouterr().out
     assert "step 0: batch" in out and "step 1: batch" in out
     assert "epsilon" in out
-
-
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                    reason="torch.distributed with gloo is not available")
-def test_ddp_matches_one_process() -> None:
-    # q*N = 2.4: some ranks' shares are empty in some steps
-    # train_ddp: each rank adds its shard's noise, as one process with noise_shards=2
-    config = dataclasses.replace(CONFIG, sample_rate=0.05, noise_shards=2)
-    start = dp_sgd.make_model(config).state_dict()
-    model, _ = dp_sgd.train(config)
-    want = model.state_dict()
-    assert not any(torch.equal(want[k], start[k]) for k in want)
-    for state in dp_sgd_ranks.train_ddp(config, world=2, timeout_s=240):
-        for k in want:
-            torch.testing.assert_close(state[k], want[k], rtol=1e-5, atol=1e-6)
 
 
 def test_sharded_noise_adds_up_to_one_draw() -> None:
