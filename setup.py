@@ -175,15 +175,16 @@ def compile_with_precompiled_header(compiler, build_temp: str):
 # stay one concern per file and each includes what it uses; names in their
 # anonymous namespaces are unique within a folder (the same definition twice
 # fails to compile, but other parameters would overload). ninja's dependency
-# files list the included
-# sources, so editing one rebuilds its unit. BATCHRULES_UNITY=0 compiles each
-# file alone.
+# files list the included sources, so editing one rebuilds its unit.
+# BATCHRULES_UNITY=0 compiles each file alone.
 UNITY_FILES = 6
 
 
 def unity_sources(sources: list, directory: str) -> list:
-    """The unity files (written under `directory` when their text changed)
-    that compile `sources`, paths relative to csrc/."""
+    """The unity files that compile `sources` (csrc's files), written under
+    `directory` where their text changed; each includes its sources by their
+    paths relative to csrc/ (an include directory); a folder's sorted files
+    are dealt in turn to its units."""
     groups = {}
     for source in sorted(sources):
         relative = os.path.relpath(source, os.path.join(HERE, "csrc"))
@@ -204,7 +205,8 @@ def unity_sources(sources: list, directory: str) -> list:
 
 class BuildWithRecord(BuildExtension):
     """BuildExtension that also writes the build record next to the extension,
-    and compiles with precompiled torch headers (Note [Precompiled torch headers])."""
+    and compiles unity files (Note [Unity build]) with precompiled torch headers
+    (Note [Precompiled torch headers])."""
 
     def build_extension(self, ext) -> None:
         # torch's build_extensions has installed its ninja `compile` by now.

@@ -61,9 +61,10 @@ def test_ddp_transformer_matches_one_process(tmp_path) -> None:
         assert not any(torch.equal(want[k], start[k]) for k in want)  # every tensor moved
         for rank in range(WORLD):
             got = torch.load(tmp_path / f"rank{rank}_shards{noise_shards}.pt")
+            where = f"noise_shards={noise_shards}, rank {rank}"
             for k in want:
                 torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-10,
-                                           msg=lambda m: f"noise_shards={noise_shards}, rank {rank}: {m}")
+                                           msg=lambda m: f"{where}, {k}: {m}")
 
 
 def test_ddp_example_matches_one_process() -> None:
