@@ -8,7 +8,7 @@ transposed / expanded / strided / conjugated operands. Each sample has a
 """
 import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Hashable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -130,13 +130,16 @@ def linear_samples(device: str, dtype: torch.dtype, requires_grad: bool = False,
     return samples
 
 
-def first_of_each_kind(samples: List[LinearSample], per_kind: int = 1) -> List[LinearSample]:
-    """A deterministic subsample keeping the first ``per_kind`` samples of every kind."""
-    seen: Dict[str, int] = {}
+def first_of_each_kind(samples: List[LinearSample], per_kind: int = 1,
+                       kind: Callable[[LinearSample], Hashable] = lambda s: s.kind
+                       ) -> List[LinearSample]:
+    """A deterministic subsample keeping the first ``per_kind`` samples of
+    every kind (``kind(sample)``: the sample's kind unless given)."""
+    seen: Dict[Hashable, int] = {}
     kept = []
     for s in samples:
-        if seen.get(s.kind, 0) < per_kind:
-            seen[s.kind] = seen.get(s.kind, 0) + 1
+        if seen.get(kind(s), 0) < per_kind:
+            seen[kind(s)] = seen.get(kind(s), 0) + 1
             kept.append(s)
     return kept
 

@@ -57,10 +57,7 @@ def aot_samples(device: str, dtype: torch.dtype) -> List[LinearSample]:
     samples = linear_samples(device, dtype, requires_grad=True)
     if dtype != torch.float32:
         return first_of_each_kind(samples)[:AOT_KINDS]
-    first = {}
-    for sample in samples:
-        first.setdefault(graph_signature(sample), sample)
-    return list(first.values())
+    return first_of_each_kind(samples, kind=graph_signature)
 
 
 def linear_backward_args(sample: LinearSample, mask: Sequence[bool], requires_grad: bool):

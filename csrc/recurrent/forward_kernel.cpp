@@ -31,8 +31,8 @@ struct Buffers {
 // x_t and the bias itself, so the step's GEMM does not first copy x_t into
 // its output.
 void lstm_step_into(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& c,
-               const Tensor& bias, const Tensor& w_hh_t, const Tensor& w_hr_t, int64_t t,
-               int64_t H) {
+                    const Tensor& bias, const Tensor& w_hh_t, const Tensor& w_hr_t, int64_t t,
+                    int64_t H) {
   Tensor ws = b.workspace.select(0, t);
   Tensor act = ws.narrow(-1, 0, 4 * H);
   Tensor c_new = ws.narrow(-1, 4 * H, H);
@@ -70,7 +70,7 @@ void lstm_step_into(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor
 
 // r,z,n and hn = (h W_hh^T + b_hh)_n into the workspace row; h' into out_t.
 void gru_step_into(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& bias,
-              const Tensor& w_hh_t, int64_t t, int64_t H) {
+                   const Tensor& w_hh_t, int64_t t, int64_t H) {
   if (bias.defined()) {
     at::baddbmm_out(b.gates, bias, h, w_hh_t);
   } else {
@@ -95,7 +95,7 @@ void gru_step_into(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor&
 }
 
 void rnn_step_into(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& bias,
-              const Tensor& w_hh_t, int64_t t, RnnMode mode) {
+                   const Tensor& w_hh_t, int64_t t, RnnMode mode) {
   Tensor out_t = b.output.select(0, t);
   at::baddbmm_out(out_t, x_t, h, w_hh_t);
   if (bias.defined()) {
