@@ -19,6 +19,7 @@
 // (batchrules/compile.py).
 #include "activations/definitions.h"
 #include "common/cpu_gemm.h"
+#include "common/packed_gemm.h"
 #include "ops.h"
 #include "routing.h"
 
@@ -98,6 +99,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether the routes of every op family are registered (see routing.py).");
   m.def("_mkl_gemm_beats_onednn", &batchrules::mkl_gemm_beats_onednn,
         "Whether aten's MKL GEMM is preferred to oneDNN's here (Note [MKL or oneDNN by CPU vendor])");
+  m.def("_mkl_packed_gemm", &batchrules::mkl_packed_gemm,
+        "Whether recurrences pack W_hh once for all steps (Note [One packed W_hh for all steps])");
   // See Note [Eager entry of batchrules.linear].
   m.def("linear", &linear_entry, py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(),
         R"doc(The eager entry of batchrules.linear (see its docstring).)doc");

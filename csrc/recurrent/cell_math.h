@@ -51,11 +51,22 @@ inline float tanh_approx(float x) {
   return 2.0f * sigmoid_approx(2.0f * x) - 1.0f;
 }
 
-// Pointer to row (e, n) of an E,N,* float32 tensor.
+// Rows (e, n) of an E,N,* float32 tensor. Its data pointer and strides are
+// read once per call, not per row: data_ptr's checks cost as much as a row
+// of H 128 (perf: ~10% of the LSTM backward through time at N 32).
 template <typename T>
-T* row(const at::Tensor& t, int64_t e, int64_t n) {
-  return t.data_ptr<float>() + e * t.stride(0) + n * t.stride(1);
-}
+class Rows {
+ public:
+  explicit Rows(const at::Tensor& t)
+      : base_(t.data_ptr<float>()), stride0_(t.stride(0)), stride1_(t.stride(1)) {}
+  T* operator()(int64_t e, int64_t n) const {
+    return base_ + e * stride0_ + n * stride1_;
+  }
+
+ private:
+  T* base_;
+  int64_t stride0_, stride1_;
+};
 
 // The loops read and write whole rows: each operand's last dim is contiguous.
 inline void assert_contiguous_rows(std::initializer_list<const at::Tensor*> operands) {

@@ -10,6 +10,7 @@
 // depends only on the forward's saved gates out of the loop: the gates'
 // derivative coefficients are computed for all steps at once, so a step of
 // the backward is its GEMM and three or four pointwise ops.
+#include "common/packed_gemm.h"
 #include "recurrent/fused_cells.h"
 #include "recurrent/recurrence.h"
 
@@ -23,7 +24,24 @@ struct Buffers {
   Tensor output, workspace, gates, scratch;
   Tensor one;  // See Note [tanh as a sigmoid]
   bool fused = false;  // the LSTM or GRU cell as one CPU loop (Note [The fused LSTM cell])
+  PackedRhs w_hh_t;    // See Note [One packed W_hh for all steps]
 };
+
+// out = addend + h W_hh^T (addend broadcast; none: out = h W_hh^T):
+// E,N,P x E,P,GH -> E,N,GH
+void hidden_gemm_into(const Buffers& b, Tensor& out, const Tensor& h, const Tensor& w_hh_t,
+                      const Tensor& addend) {
+  if (b.w_hh_t.defined()) {
+    if (addend.defined()) {
+      out.copy_(addend);
+    }
+    b.w_hh_t.mm_out(h, out, addend.defined());
+  } else if (addend.defined()) {
+    at::baddbmm_out(out, addend, h, w_hh_t);
+  } else {
+    group_mm_out(out, h, w_hh_t);
+  }
+}
 
 // i,f,g,o,c (+ h before the projection) into the workspace row; h into out_t.
 // gates = x_t + h W_hh^T + b_hh; g's tanh as 2 sigmoid(2x) - 1, in the same
@@ -38,7 +56,7 @@ void lstm_step_into(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor
   Tensor c_new = ws.narrow(-1, 4 * H, H);
   Tensor out_t = b.output.select(0, t);
   if (b.fused) {  // Note [The fused LSTM cell]
-    group_mm_out(b.gates, h, w_hh_t);
+    hidden_gemm_into(b, b.gates, h, w_hh_t, Tensor());
     Tensor h_new = w_hr_t.defined() ? ws.narrow(-1, 5 * H, H) : out_t;
     lstm_cell_forward_cpu(x_t, b.gates, bias, c, act, c_new, h_new);
     if (w_hr_t.defined()) {
@@ -46,7 +64,7 @@ void lstm_step_into(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor
     }
     return;
   }
-  at::baddbmm_out(b.gates, x_t, h, w_hh_t);
+  hidden_gemm_into(b, b.gates, h, w_hh_t, x_t);
   if (bias.defined()) {
     b.gates.add_(bias);
   }
@@ -71,11 +89,7 @@ void lstm_step_into(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor
 // r,z,n and hn = (h W_hh^T + b_hh)_n into the workspace row; h' into out_t.
 void gru_step_into(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& bias,
                    const Tensor& w_hh_t, int64_t t, int64_t H) {
-  if (bias.defined()) {
-    at::baddbmm_out(b.gates, bias, h, w_hh_t);
-  } else {
-    group_mm_out(b.gates, h, w_hh_t);
-  }
+  hidden_gemm_into(b, b.gates, h, w_hh_t, bias);
   Tensor ws = b.workspace.select(0, t);
   Tensor out_t = b.output.select(0, t);
   if (b.fused) {  // Note [The fused LSTM cell]
@@ -97,7 +111,7 @@ void gru_step_into(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor&
 void rnn_step_into(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor& bias,
                    const Tensor& w_hh_t, int64_t t, RnnMode mode) {
   Tensor out_t = b.output.select(0, t);
-  at::baddbmm_out(out_t, x_t, h, w_hh_t);
+  hidden_gemm_into(b, out_t, h, w_hh_t, x_t);
   if (bias.defined()) {
     out_t.add_(bias);
   }
@@ -126,6 +140,7 @@ RecurrenceOutputs recurrence_forward_kernel(const Tensor& input_gates, const Ten
   b.fused = cell_fusable(b.gates) && (mode == RnnMode::Lstm || gru) &&
             input_gates.stride(-1) == 1;
   const Tensor w_hh_t = w_hh.transpose(1, 2);                          // E,P,GH
+  b.w_hh_t = PackedRhs::pack(w_hh_t, N, T);
   const Tensor w_hr_t = w_hr.defined() ? w_hr.transpose(1, 2) : w_hr;  // E,H,P
   // E,1,GH; the fused LSTM cell reads rows with a unit stride, zeros for none
   // (the GRU's bias is added by its step's GEMM)

@@ -36,10 +36,11 @@ void gru_cell_forward_cpu(const at::Tensor& x, const at::Tensor& hidden, const a
                           at::Tensor& ws, at::Tensor& h_new) {
   const int64_t E = x.size(0), N = x.size(1), H = h.size(2);
   assert_contiguous_rows({&x, &hidden, &h, &ws, &h_new});
+  const Rows<const float> x_rows(x), hidden_rows(hidden), h_rows(h);
+  const Rows<float> ws_rows(ws), h_new_rows(h_new);
   for (int64_t e = 0; e < E; ++e) {
     for (int64_t n = 0; n < N; ++n) {
-      gru_row(row<const float>(x, e, n), row<const float>(hidden, e, n),
-              row<const float>(h, e, n), row<float>(ws, e, n), row<float>(h_new, e, n), H);
+      gru_row(x_rows(e, n), hidden_rows(e, n), h_rows(e, n), ws_rows(e, n), h_new_rows(e, n), H);
     }
   }
 }

@@ -78,12 +78,12 @@ void lstm_cell_forward_cpu(const at::Tensor& x, const at::Tensor& hidden, const 
                            at::Tensor& h) {
   const int64_t E = x.size(0), N = x.size(1), H = c.size(2);
   assert_contiguous_rows({&x, &hidden, &bias, &c, &act, &c_new, &h});
+  const Rows<const float> x_rows(x), hidden_rows(hidden), bias_rows(bias), c_rows(c);
+  const Rows<float> act_rows(act), c_new_rows(c_new), h_rows(h);
   for (int64_t e = 0; e < E; ++e) {
-    const float* b_row = bias.data_ptr<float>() + e * bias.stride(0);
     for (int64_t n = 0; n < N; ++n) {
-      lstm_row(row<const float>(x, e, n), row<const float>(hidden, e, n), b_row,
-               row<const float>(c, e, n),
-               row<float>(act, e, n), row<float>(c_new, e, n), row<float>(h, e, n), H);
+      lstm_row(x_rows(e, n), hidden_rows(e, n), bias_rows(e, 0), c_rows(e, n), act_rows(e, n),
+               c_new_rows(e, n), h_rows(e, n), H);
     }
   }
 }
@@ -93,13 +93,13 @@ void lstm_cell_backward_cpu(const at::Tensor& dh, const at::Tensor& dh_out, cons
                             at::Tensor& d_gates, at::Tensor& dc_prev) {
   const int64_t E = dh.size(0), N = dh.size(1), H = dh.size(2);
   assert_contiguous_rows({&dh, &dh_out, &dc, &act, &c_new, &c, &d_gates, &dc_prev});
+  const Rows<const float> dh_rows(dh), dh_out_rows(dh_out), dc_rows(dc), act_rows(act),
+      c_new_rows(c_new), c_rows(c);
+  const Rows<float> d_gates_rows(d_gates), dc_prev_rows(dc_prev);
   for (int64_t e = 0; e < E; ++e) {
     for (int64_t n = 0; n < N; ++n) {
-      lstm_row_backward(row<const float>(dh, e, n), row<const float>(dh_out, e, n),
-                        row<const float>(dc, e, n),
-                        row<const float>(act, e, n), row<const float>(c_new, e, n),
-                        row<const float>(c, e, n), row<float>(d_gates, e, n),
-                        row<float>(dc_prev, e, n), H);
+      lstm_row_backward(dh_rows(e, n), dh_out_rows(e, n), dc_rows(e, n), act_rows(e, n),
+                        c_new_rows(e, n), c_rows(e, n), d_gates_rows(e, n), dc_prev_rows(e, n), H);
     }
   }
 }

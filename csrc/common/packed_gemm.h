@@ -1,0 +1,52 @@
+// A GEMM's right operand packed once for many calls (MKL's packed sgemm).
+//
+// Note [One packed W_hh for all steps]
+// Every step of a recurrence multiplies its state by the same W_hh^T. MKL's
+// sgemm first copies ("packs") that operand into its kernel's layout, on
+// every call: at a step's shapes (N 32, K 128, M 512) the copy is ~17% of the
+// GEMM (1 thread: 20 steps 978 us as at::mm, 806 us packed once). MKL's
+// packed API packs it once (cblas_sgemm_pack) and runs each step on the
+// packed copy (cblas_sgemm_compute), with the same results. But a packed
+// product costs more to set up: below ~1M multiply-adds it is the slower
+// (an ensemble's 8 members, 20 steps, N 16: K 32, M 128, 2.1 ms packed
+// against 0.55 ms for one bmm a step; K 64, M 256, 3.0 against 1.6 ms;
+// K 128, M 512, 7.0 against 7.9 ms), so only products of at least
+// kMinPackedMacs are packed (packed_gemm.cpp). aten does not
+// offer it, but torch's MKL builds export MKL's CBLAS symbols from
+// libtorch_cpu; they are declared weak (packed_gemm.cpp), so a torch without
+// them still loads the extension and its steps stay aten GEMMs. (The
+// backward's steps multiply by W_hh untransposed, which MKL does not pack per
+// call: packed once it was no faster, so they stay aten GEMMs.)
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace batchrules {
+
+// Whether this torch exports MKL's packed sgemm.
+bool mkl_packed_gemm();
+
+class PackedRhs {
+ public:
+  // `b` (E,K,M) packed for products with `rows`-row left operands; not
+  // defined() where MKL's packed sgemm is missing, for fewer than two uses
+  // (nothing to save) or small products (see the Note), or unless `b` is
+  // float32 on the CPU with a unit stride in one of its last two dims.
+  static PackedRhs pack(const at::Tensor& b, int64_t rows, int64_t uses);
+
+  bool defined() const {
+    return packed_.defined();
+  }
+
+  // out[e] = a[e] b[e], or out[e] += a[e] b[e] when `accumulate`:
+  // E,N,K x E,K,M -> E,N,M; out's rows have a unit stride (a is made so).
+  void mm_out(const at::Tensor& a, const at::Tensor& out, bool accumulate) const;
+
+ private:
+  at::Tensor packed_;  // E packed copies, each `member_bytes_` long
+  int64_t rows_ = 0, k_ = 0, m_ = 0, member_bytes_ = 0;
+};
+
+}  // namespace batchrules
