@@ -35,7 +35,7 @@ from torch.utils._pytree import (keystr, tree_flatten, tree_flatten_with_path, t
                                  tree_unflatten)
 
 from .. import routing
-from .._compat import batched_level, current_transform_level, unwrap_batched
+from .._compat import batched_level, current_transform_level, unwrap_batched, vmap_over_tensors
 from ..compile import eager_under_compile
 from .clipping import clip
 from .gc_pause import paused_gc
@@ -174,8 +174,13 @@ def _forward(loss: Callable[..., Any], has_aux: bool, randomness: str, args: Tup
         _check_loss(out, has_aux)
         return out
 
-    out = vmap(per_sample, in_dims=tuple(dims[i] for i in others),
-               randomness=randomness)(*(args[i] for i in others))
+    vmapped, vmapped_dims = [args[i] for i in others], [dims[i] for i in others]
+    if not has_aux and all(isinstance(a, Tensor) and (d is None or isinstance(d, int))
+                           for a, d in zip(vmapped, vmapped_dims)):
+        # See Note [clipped_grad's vmap over plain tensors] in _compat.py.
+        out = vmap_over_tensors(per_sample, vmapped, vmapped_dims, randomness)
+    else:
+        out = vmap(per_sample, in_dims=tuple(vmapped_dims), randomness=randomness)(*vmapped)
     losses, aux = out if has_aux else (out, None)
     return losses, aux, tapes[-1]
 
