@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstddef>
+#include <initializer_list>
 #include <limits>
 
 // MKL's CBLAS entry points with LP64 ints (its enums are ints), resolved from

@@ -24,18 +24,18 @@ struct Buffers {
   Tensor output, workspace, gates, scratch;
   Tensor one;  // See Note [tanh as a sigmoid]
   bool fused = false;  // the LSTM or GRU cell as one CPU loop (Note [The fused LSTM cell])
-  PackedRhs w_hh_t;    // See Note [One packed W_hh for all steps]
+  PackedRhs packed_w_hh_t;  // See Note [One packed W_hh for all steps]
 };
 
 // out = addend + h W_hh^T (addend broadcast; none: out = h W_hh^T):
 // E,N,P x E,P,GH -> E,N,GH
 void hidden_gemm_into(const Buffers& b, Tensor& out, const Tensor& h, const Tensor& w_hh_t,
                       const Tensor& addend) {
-  if (b.w_hh_t.defined()) {
+  if (b.packed_w_hh_t.defined()) {
     if (addend.defined()) {
       out.copy_(addend);
     }
-    b.w_hh_t.mm_out(h, out, addend.defined());
+    b.packed_w_hh_t.mm_out(h, out, addend.defined());
   } else if (addend.defined()) {
     at::baddbmm_out(out, addend, h, w_hh_t);
   } else {
@@ -140,7 +140,7 @@ RecurrenceOutputs recurrence_forward_kernel(const Tensor& input_gates, const Ten
   b.fused = cell_fusable(b.gates) && (mode == RnnMode::Lstm || gru) &&
             input_gates.stride(-1) == 1;
   const Tensor w_hh_t = w_hh.transpose(1, 2);                          // E,P,GH
-  b.w_hh_t = PackedRhs::pack(w_hh_t, N, T);
+  b.packed_w_hh_t = PackedRhs::pack(w_hh_t, N, T);
   const Tensor w_hr_t = w_hr.defined() ? w_hr.transpose(1, 2) : w_hr;  // E,H,P
   // E,1,GH; the fused LSTM cell reads rows with a unit stride, zeros for none
   // (the GRU's bias is added by its step's GEMM)
