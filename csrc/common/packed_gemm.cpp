@@ -57,7 +57,7 @@ PackedRhs PackedRhs::pack(const at::Tensor& b, int64_t rows, int64_t uses) {
   const int64_t unit = transposed ? b.stride(1) : b.stride(2);
   const int64_t ld = transposed ? b.stride(2) : b.stride(1);
   if (unit != 1 || ld < (transposed ? K : M) || !fits_int({rows, K, M, ld}) ||
-      rows * K * M < kMinPackedMacs) {
+      static_cast<double>(rows) * K * M < kMinPackedMacs) {  // (no int64 overflow)
     return packed;
   }
   const int64_t bytes = static_cast<int64_t>(cblas_sgemm_pack_get_size(
