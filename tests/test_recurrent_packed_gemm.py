@@ -102,3 +102,19 @@ def test_gradients_through_packed_steps_equal_float64() -> None:
         grads[dtype] = torch.autograd.grad(loss, leaves)
     for g, w in zip(grads[torch.float32], grads[torch.float64]):
         torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+def test_strided_input_gates_take_the_aten_cell_with_packed_steps(mode) -> None:
+    """Input gates whose rows are not contiguous keep the aten ops of the
+    cell (the fused cells read rows in place), still on packed steps."""
+    H = 128
+    ops = operands(mode, 1, rows_to_pack(mode, H), H, 3)
+    want = recurrence(*ops, None, mode, False)
+    single = [None if t is None else t.float() for t in ops]
+    single[0] = single[0].transpose(-1, -2).contiguous().transpose(-1, -2)
+    got, gemms = gemms_run(lambda: recurrence(*single, None, mode, False))
+    assert not gemms or not _C._mkl_packed_gemm(), gemms
+    for g, w in zip(got, want):
+        if w is not None:
+            torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
