@@ -138,8 +138,9 @@ def first_of_each_kind(samples: List[LinearSample], per_kind: int = 1,
     seen: Dict[Hashable, int] = {}
     kept = []
     for s in samples:
-        if seen.get(kind(s), 0) < per_kind:
-            seen[kind(s)] = seen.get(kind(s), 0) + 1
+        k = kind(s)
+        if seen.get(k, 0) < per_kind:
+            seen[k] = seen.get(k, 0) + 1
             kept.append(s)
     return kept
 

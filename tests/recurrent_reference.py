@@ -29,6 +29,11 @@ def routed() -> Iterator[None]:
         yield
 
 
+def transposed_rows(t: Tensor) -> Tensor:
+    """t with the same values and rows that are not contiguous."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 def _make(classes: Tuple[type, type, type], kind: str, dtype: torch.dtype,
           options: Any) -> nn.Module:
     lstm, gru, rnn = classes

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from batchrules import _C
+from recurrent_reference import transposed_rows
 
 recurrence = torch.ops.batchrules.rnn_recurrence.default
 GATES = {0: 4, 1: 3, 2: 1, 3: 1}  # LSTM, GRU, RNN tanh, RNN relu
@@ -22,12 +23,16 @@ def operands(mode, E, N, H, steps, seed=0):
             r(E, G, H) / H ** 0.5, r(E, G)]
 
 
+def in_float32(ops):
+    return [None if t is None else t.float() for t in ops]
+
+
 def laid_out(t, layout):
     """t's values with W_hh's layouts: as given, columns contiguous (so that
     W_hh^T's rows are: packed untransposed), or every other column of a wider
     tensor (no unit stride: left to aten)."""
     if layout == "columns":
-        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+        return transposed_rows(t)
     if layout == "spaced":
         wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
         wide[..., ::2] = t
@@ -69,9 +74,9 @@ def test_float32_steps_equal_float64(mode, E, size, steps, layout, reverse) -> N
     N = rows_to_pack(mode, H) if size != "small" else 5
     ops = operands(mode, E, N, H, steps)
     want = recurrence(*ops, None, mode, reverse)
-    single = [None if t is None else t.float() for t in ops]
+    single = in_float32(ops)
     single[3] = laid_out(single[3], layout)
-    single[1] = single[1].transpose(-1, -2).contiguous().transpose(-1, -2)  # h0's rows strided
+    single[1] = transposed_rows(single[1])  # h0's rows strided
     got, gemms = gemms_run(lambda: recurrence(*single, None, mode, reverse))
     packed = _C._mkl_packed_gemm() and size == "packed" and layout != "spaced"
     assert (not gemms) == packed, gemms
@@ -85,7 +90,7 @@ def test_float32_steps_equal_float64(mode, E, size, steps, layout, reverse) -> N
 
 def test_one_row_below_the_threshold_keeps_aten() -> None:
     """One row fewer than rows_to_pack: aten's GEMMs."""
-    ops = [None if t is None else t.float() for t in operands(0, 1, rows_to_pack(0, 128) - 1, 128, 3)]
+    ops = in_float32(operands(0, 1, rows_to_pack(0, 128) - 1, 128, 3))
     _, gemms = gemms_run(lambda: recurrence(*ops, None, 0, False))
     assert gemms
 
@@ -111,8 +116,8 @@ def test_strided_input_gates_take_the_aten_cell_with_packed_steps(mode) -> None:
     H = 128
     ops = operands(mode, 1, rows_to_pack(mode, H), H, 3)
     want = recurrence(*ops, None, mode, False)
-    single = [None if t is None else t.float() for t in ops]
-    single[0] = single[0].transpose(-1, -2).contiguous().transpose(-1, -2)
+    single = in_float32(ops)
+    single[0] = transposed_rows(single[0])
     got, gemms = gemms_run(lambda: recurrence(*single, None, mode, False))
     assert not gemms or not _C._mkl_packed_gemm(), gemms
     for g, w in zip(got, want):
