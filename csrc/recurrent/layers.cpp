@@ -66,25 +66,40 @@ RecurrenceResult onednn_lstm_layer(const Tensor& x, const Tensor& h0, const Tens
 
 }  // namespace
 
-std::tuple<Tensor, Tensor, Tensor> run_rnn(const Tensor& input, const Tensor& hx, const Tensor& cx,
-                                           at::TensorList params, const RnnOptions& o) {
+void check_rnn_operands(const Tensor& input, const Tensor& hx, const Tensor& cx,
+                        at::TensorList params, const RnnOptions& o) {
   const char* name = mode_name(o.mode);
-  const bool lstm = o.mode == RnnMode::Lstm;
   TORCH_CHECK(input.dim() == 3, name, ": expected input of shape [T, N, I] ([N, T, I] with ",
               "batch_first), but got ", input.sizes());
+  const bool lstm = o.mode == RnnMode::Lstm;
   const bool projected = lstm && hx.size(-1) != cx.size(-1);
   const int64_t directions = o.bidirectional ? 2 : 1;
   const int64_t per_layer = 2 + 2 * o.has_biases + projected;
   TORCH_CHECK(static_cast<int64_t>(params.size()) == o.num_layers * directions * per_layer, name,
               ": expected ", o.num_layers * directions * per_layer, " parameters for ",
               o.num_layers, " layers and ", directions, " directions, but got ", params.size());
-  Tensor x = o.batch_first ? input.transpose(0, 1) : input;
-  const int64_t batch = x.size(1), state = params[1].size(1);
-  TORCH_CHECK(x.size(2) == params[0].size(1), name, ": expected input with ", params[0].size(1),
-              " features, but got input of shape ", input.sizes());
+  const int64_t batch = input.size(o.batch_first ? 0 : 1), state = params[1].size(1);
+  TORCH_CHECK(input.size(2) == params[0].size(1), name, ": expected input with ",
+              params[0].size(1), " features, but got input of shape ", input.sizes());
   TORCH_CHECK(hx.sizes() == at::IntArrayRef({o.num_layers * directions, batch, state}), name,
               ": expected hidden state of shape [", o.num_layers * directions, ", ", batch, ", ",
               state, "], but got ", hx.sizes());
+  if (lstm) {
+    const int64_t hidden = params[1].size(0) / 4;
+    TORCH_CHECK(cx.sizes() == at::IntArrayRef({o.num_layers * directions, batch, hidden}), name,
+                ": expected cell state of shape [", o.num_layers * directions, ", ", batch, ", ",
+                hidden, "], but got ", cx.sizes());
+  }
+}
+
+std::tuple<Tensor, Tensor, Tensor> run_rnn(const Tensor& input, const Tensor& hx, const Tensor& cx,
+                                           at::TensorList params, const RnnOptions& o) {
+  check_rnn_operands(input, hx, cx, params, o);
+  const bool lstm = o.mode == RnnMode::Lstm;
+  const bool projected = lstm && hx.size(-1) != cx.size(-1);
+  const int64_t directions = o.bidirectional ? 2 : 1;
+  const int64_t per_layer = 2 + 2 * o.has_biases + projected;
+  Tensor x = o.batch_first ? input.transpose(0, 1) : input;
 
   std::vector<Tensor> h_n, c_n;
   for (int64_t layer = 0; layer < o.num_layers; ++layer) {

@@ -31,6 +31,18 @@ struct RnnOptions {
   LstmKernel lstm_kernel = LstmKernel::Recurrence;
 };
 
+// The shape checks of aten::lstm/gru/rnn_*.input (see run_rnn), with the
+// operands' own (per-example, under vmap) sizes in every message.
+void check_rnn_operands(const Tensor& input, const Tensor& hx, const Tensor& cx,
+                        at::TensorList params, const RnnOptions& options);
+
+// Where vmap is the only transform and only the input and states are batched
+// at it: aten's LSTM once, over the vmap dim folded into the rows (Note [An
+// LSTM over per-sample sequences as one eager call]); nullopt elsewhere.
+std::optional<std::tuple<Tensor, Tensor, Tensor>> lstm_over_folded_rows(
+    const Tensor& input, const Tensor& hx, const Tensor& cx, at::TensorList params,
+    const RnnOptions& options);
+
 // aten::lstm/gru/rnn_*.input: input [T, N, I] ([N, T, I] batch_first), hx
 // [L*D, N, P], cx [L*D, N, H] (LSTM), params per layer and direction
 // w_ih, w_hh, (b_ih, b_hh), (w_hr). Returns output, h_n and c_n (LSTM).
