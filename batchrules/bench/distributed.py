@@ -12,7 +12,11 @@ median of each step's time and, from five more steps run under the
 profiler, the least of their peak memory (``memory.peak_extra_bytes``:
 torch's CPU allocator records under the profiler, tensor storage allocated
 beyond what was live before the step; not RSS; see ``_measure`` for why the
-least).
+least). As in the main bench, the two steps alternate in rounds whose order
+rotates, the garbage collector is off while they are timed, and the time
+ratio is the median of the rounds' paired ratios (a miss whose threshold
+lies within their interquartile range is "noise"): the VM's speed drifts
+between rounds (one step 14 to 20 ms minutes apart), not within one.
   DDP   non-private: zero_grad, ``loss.backward()`` through the DDP module,
         SGD step; DP: ``dp_step`` (clipped_grad, the rank's shard of the
         noise, one ``all_reduce_flat``, SGD step).
@@ -23,8 +27,10 @@ Targets: each DP step <= 1.3x its wrapper's non-private step; per-rank peak
 memory under FSDP2 <= 1.3x the non-private FSDP2 step's.
 """
 import argparse
+import contextlib
 import copy
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -32,7 +38,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,6 +48,7 @@ from torch import nn
 from .case import Variant
 from .machine import steady_malloc
 from .memory import peak_extra_bytes
+from .timing import Stats, paired_ratios
 
 WORLD = 2
 TIME_RATIO = 1.3
@@ -55,7 +62,7 @@ class Sizes:
     ff: int = 512
     layers: int = 2
     batch: int = 32  # samples per rank
-    repeats: int = 15  # timed steps per variant, interleaved
+    repeats: int = 25  # timed steps per variant, interleaved
     warmup: int = 3
     steady_malloc: bool = False  # Note [Steady malloc for timing]
 
@@ -65,18 +72,22 @@ PEAK_READINGS = 5
 SMOKE = Sizes(d_model=32, heads=4, ff=64, layers=2, batch=8, repeats=3, warmup=1)
 
 
-def _measure(steps: Dict[str, Callable[[], None]], sizes: Sizes) -> Dict[str, Dict[str, float]]:
-    """Median seconds (interleaved, barrier-aligned) and least peak bytes of each step."""
+def _measure(steps: Dict[str, Callable[[], None]], sizes: Sizes) -> Dict[str, Dict[str, Any]]:
+    """Each step's seconds per round (interleaved, barrier-aligned) and least peak bytes."""
     for _ in range(sizes.warmup):
         for step in steps.values():
             step()
-    times: Dict[str, List[float]] = {name: [] for name in steps}
-    for _ in range(sizes.repeats):
-        for name, step in steps.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
+    names = list(steps)
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    gc.collect()
+    with _gc_off():
+        for r in range(sizes.repeats):
+            shift = r % len(names)
+            for name in names[shift:] + names[:shift]:
+                dist.barrier()
+                start = time.perf_counter()
+                steps[name]()
+                times[name].append(time.perf_counter() - start)
     out = {}
     for name, step in steps.items():
         # Readings each after a step of its own kind: a step's peak counts the
@@ -91,9 +102,19 @@ def _measure(steps: Dict[str, Callable[[], None]], sizes: Sizes) -> Dict[str, Di
         for _ in range(PEAK_READINGS):
             dist.barrier()
             peaks.append(peak_extra_bytes(Variant(name, step), torch.device("cpu")))
-        out[name] = {"median_s": statistics.median(times[name]),
-                     "peak_bytes": None if None in peaks else min(peaks)}
+        out[name] = {"times_s": times[name], "peak_bytes": None if None in peaks else min(peaks)}
     return out
+
+
+@contextlib.contextmanager
+def _gc_off() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _worker(rank: int, world: int, port: int, sizes: Sizes, out_dir: str) -> None:
@@ -146,7 +167,7 @@ def _worker(rank: int, world: int, port: int, sizes: Sizes, out_dir: str) -> Non
 
 def run(sizes: Sizes = FULL, timeout_s: float = 300.0) -> List[dict]:
     """Both wrappers on ``WORLD`` gloo ranks; returns each rank's results
-    ``{wrapper: {step: {median_s, peak_bytes}}}``."""
+    ``{wrapper: {step: {times_s, peak_bytes}}}``."""
     from batchrules.examples.dp_sgd_ranks import _spawn
 
     with tempfile.TemporaryDirectory() as out_dir:
@@ -162,17 +183,28 @@ def _met(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
+def _time_verdict(ratios: Stats) -> str:
+    """The main bench's verdict (targets.py): a miss within the IQR is noise."""
+    if ratios.median <= TIME_RATIO:
+        return "met"
+    return "noise" if ratios.quantile(0.25) <= TIME_RATIO else "MISSED"
+
+
 def table(ranks: List[dict], sizes: Sizes) -> str:
-    """Per rank and wrapper: both steps' median time and peak memory, and the targets."""
+    """Per rank and wrapper: both steps' median time and peak memory, the
+    median and IQR of the paired dp/np ratios, and the targets."""
     lines = [f"DP step on {WORLD} gloo ranks, TinyTransformer(d={sizes.d_model}, heads={sizes.heads}, "
-             f"ff={sizes.ff}, layers={sizes.layers}), {sizes.batch} samples/rank, float32, 1 thread/rank",
-             f"{'wrapper':8} {'rank':>4} {'nonprivate ms':>13} {'dp ms':>8} {'dp/np':>6} "
+             f"ff={sizes.ff}, layers={sizes.layers}), {sizes.batch} samples/rank, float32, 1 thread/rank; "
+             f"dp/np: median of {sizes.repeats} paired ratios [IQR]",
+             f"{'wrapper':8} {'rank':>4} {'nonprivate ms':>13} {'dp ms':>8} {'dp/np':>6} {'IQR':>11} "
              f"{'np peak MiB':>11} {'dp peak MiB':>11} {'mem ratio':>9}  targets"]
     for wrapper in ("ddp", "fsdp2"):
         for rank, result in enumerate(ranks):
             np_, dp = result[wrapper]["nonprivate"], result[wrapper]["dp"]
-            ratio = dp["median_s"] / np_["median_s"]
-            notes = [f"time <= {TIME_RATIO}x {_met(ratio <= TIME_RATIO)}"]
+            ratios = paired_ratios(Stats(dp["times_s"]), Stats(np_["times_s"]))
+            ratio = ratios.median
+            iqr = f"{ratios.quantile(0.25):.2f}-{ratios.quantile(0.75):.2f}"
+            notes = [f"time <= {TIME_RATIO}x {_time_verdict(ratios)}"]
             mem = None
             if np_["peak_bytes"] and dp["peak_bytes"] is not None:
                 mem = dp["peak_bytes"] / np_["peak_bytes"]
@@ -181,8 +213,9 @@ def table(ranks: List[dict], sizes: Sizes) -> str:
 
             def mib(b: Optional[int]) -> str:
                 return "n/a" if b is None else f"{b / 2**20:.2f}"
-            lines.append(f"{wrapper:8} {rank:>4} {1e3 * np_['median_s']:13.2f} {1e3 * dp['median_s']:8.2f} "
-                         f"{ratio:6.2f} {mib(np_['peak_bytes']):>11} {mib(dp['peak_bytes']):>11} "
+            lines.append(f"{wrapper:8} {rank:>4} {1e3 * statistics.median(np_['times_s']):13.2f} "
+                         f"{1e3 * statistics.median(dp['times_s']):8.2f} {ratio:6.2f} {iqr:>11} "
+                         f"{mib(np_['peak_bytes']):>11} {mib(dp['peak_bytes']):>11} "
                          f"{'n/a' if mem is None else f'{mem:.2f}':>9}  {'; '.join(notes)}")
     return "\n".join(lines)
 
