@@ -41,9 +41,9 @@ std::tuple<Tensor, Tensor, Tensor> routed_lstm(const Tensor& input, TensorList h
     return routed_lstm(cast(input), cast_all(cast, hx), cast_all(cast, params), has_biases,
                        num_layers, dropout, train, bidirectional, batch_first);
   }
-  const RnnOptions options{RnnMode::Lstm, has_biases,    num_layers,
-                           dropout,        train,         bidirectional,
-                           batch_first,    lstm_kernel(input, hx, params, batch_first)};
+  RnnOptions options{RnnMode::Lstm, has_biases, num_layers, dropout, train, bidirectional,
+                     batch_first};
+  options.lstm_kernel = lstm_kernel(input, hx, params, batch_first);
   if (options.lstm_kernel == LstmKernel::OneDnnInference) {
     if (auto folded = lstm_over_folded_rows(input, hx[0], hx[1], params, options)) {
       return *folded;
