@@ -27,7 +27,6 @@ Targets: each DP step <= 1.3x its wrapper's non-private step; per-rank peak
 memory under FSDP2 <= 1.3x the non-private FSDP2 step's.
 """
 import argparse
-import contextlib
 import copy
 import dataclasses
 import gc
@@ -38,13 +37,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..dp.gc_pause import paused_gc
 from .case import Variant
 from .machine import steady_malloc
 from .memory import peak_extra_bytes
@@ -80,7 +80,7 @@ def _measure(steps: Dict[str, Callable[[], None]], sizes: Sizes) -> Dict[str, Di
     names = list(steps)
     times: Dict[str, List[float]] = {name: [] for name in names}
     gc.collect()
-    with _gc_off():
+    with paused_gc():
         for r in range(sizes.repeats):
             shift = r % len(names)
             for name in names[shift:] + names[:shift]:
@@ -104,17 +104,6 @@ def _measure(steps: Dict[str, Callable[[], None]], sizes: Sizes) -> Dict[str, Di
             peaks.append(peak_extra_bytes(Variant(name, step), torch.device("cpu")))
         out[name] = {"times_s": times[name], "peak_bytes": None if None in peaks else min(peaks)}
     return out
-
-
-@contextlib.contextmanager
-def _gc_off() -> Iterator[None]:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _worker(rank: int, world: int, port: int, sizes: Sizes, out_dir: str) -> None:
