@@ -7,7 +7,7 @@ transform, in float64 unless a test says otherwise.
 """
 import contextlib
 import copy
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +20,27 @@ from conftest import vmap_fallback_off  # noqa: F401 (re-exported for the recurr
 KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 B = 2  # vmap size (examples, or ensemble members)
 T, N, IN, HIDDEN, PROJ = 4, 2, 3, 4, 2  # sequence length, per-example batch, sizes
+
+# name: (module options, per-example input has a batch dim, hx spec, input's vmap dim)
+RNN_CASES: Dict[str, tuple] = {
+    "unbatched": ({}, False, "none", 0),
+    "unbatched_h_batched": ({}, False, "batched", 0),
+    "unbatched_h_shared": ({}, False, "shared", 0),
+    "batched_h_batched": ({}, True, "batched", 0),
+    "batched_h_mixed": ({}, True, "mixed", 0),
+    "batched_x_bdim_last": ({}, True, "batched", 3),
+    "batch_first_h_shared": ({"batch_first": True}, True, "shared", 0),
+    "batch_first_no_h_bdim1": ({"batch_first": True}, True, "none", 1),
+    "batch_first_unbatched": ({"batch_first": True}, False, "batched", 1),
+    "two_layers_bidirectional": ({"num_layers": 2, "bidirectional": True}, True, "batched", 0),
+    "two_layers_bidirectional_unbatched": ({"num_layers": 2, "bidirectional": True}, False,
+                                           "none", 1),
+    "no_bias": ({"bias": False}, True, "shared", 0),
+    "proj": ({"proj_size": PROJ, "num_layers": 2}, True, "batched", 0),
+    "proj_bidirectional_unbatched": ({"proj_size": PROJ, "bidirectional": True}, False,
+                                     "mixed", 0),
+}
+LSTM_ONLY = {"batched_h_mixed", "proj", "proj_bidirectional_unbatched"}
 
 
 @contextlib.contextmanager
@@ -56,12 +77,12 @@ def make_cell(kind: str, dtype: torch.dtype = torch.float64, **options: Any) -> 
     return _make((nn.LSTMCell, nn.GRUCell, nn.RNNCell), kind, dtype, options)
 
 
-def batched(shape: Sequence[int], bdim: Optional[int],
-            dtype: torch.dtype = torch.float64) -> Tensor:
-    """A random tensor of per-example ``shape`` with B examples along ``bdim`` (None: shared)."""
+def batched(shape: Sequence[int], bdim: Optional[int], dtype: torch.dtype = torch.float64,
+            size: int = B) -> Tensor:
+    """A random tensor of per-example ``shape`` with ``size`` examples along ``bdim`` (None: shared)."""
     shape = list(shape)
     if bdim is not None:
-        shape.insert(bdim, B)
+        shape.insert(bdim, size)
     return torch.randn(shape, dtype=dtype)
 
 
@@ -89,15 +110,16 @@ def hidden_shapes(module: nn.Module, per_example_batch: bool) -> List[List[int]]
 
 
 def make_hx(module: nn.Module, per_example_batch: bool, spec: str,
-            dtype: torch.dtype = torch.float64) -> Tuple[Any, Any]:
+            dtype: torch.dtype = torch.float64, size: int = B) -> Tuple[Any, Any]:
     """(hx, its in_dims) for ``spec``: "none", "batched", "shared" or "mixed" (h
-    batched, c shared; for modules without c the same as "batched")."""
+    batched, c shared; for modules without c the same as "batched"); ``size``
+    examples where batched."""
     if spec == "none":
         return None, None
     shapes = hidden_shapes(module, per_example_batch)
     dims = [None if spec == "shared" or (spec == "mixed" and k == 1) else 0
             for k in range(len(shapes))]
-    tensors = [batched(s, d, dtype) for s, d in zip(shapes, dims)]
+    tensors = [batched(s, d, dtype, size) for s, d in zip(shapes, dims)]
     if len(tensors) == 2:
         return tuple(tensors), tuple(dims)
     return tensors[0], dims[0]

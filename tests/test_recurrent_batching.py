@@ -6,7 +6,7 @@ shared or batched input, the cells, float32 / float64 / bf16 autocast, and
 PyTorch's own ModuleInfo samples. References: stock eager calls in a loop.
 """
 import functools
-from typing import Any, Dict
+from typing import Any
 
 import pytest
 import torch
@@ -15,31 +15,9 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_leaves, tree_map
 
-from recurrent_reference import (B, KINDS, PROJ, assert_close, batched, call, check_forward,
-                                 ensemble, input_shape, loop, make_cell, make_hx, make_rnn, routed,
-                                 scalar)
-
-# name: (module options, per-example input has a batch dim, hx spec, input's vmap dim)
-RNN_CASES: Dict[str, tuple] = {
-    "unbatched": ({}, False, "none", 0),
-    "unbatched_h_batched": ({}, False, "batched", 0),
-    "unbatched_h_shared": ({}, False, "shared", 0),
-    "batched_h_batched": ({}, True, "batched", 0),
-    "batched_h_mixed": ({}, True, "mixed", 0),
-    "batched_x_bdim_last": ({}, True, "batched", 3),
-    "batch_first_h_shared": ({"batch_first": True}, True, "shared", 0),
-    "batch_first_no_h_bdim1": ({"batch_first": True}, True, "none", 1),
-    "batch_first_unbatched": ({"batch_first": True}, False, "batched", 1),
-    "two_layers_bidirectional": ({"num_layers": 2, "bidirectional": True}, True, "batched", 0),
-    "two_layers_bidirectional_unbatched": ({"num_layers": 2, "bidirectional": True}, False,
-                                           "none", 1),
-    "no_bias": ({"bias": False}, True, "shared", 0),
-    "proj": ({"proj_size": PROJ, "num_layers": 2}, True, "batched", 0),
-    "proj_bidirectional_unbatched": ({"proj_size": PROJ, "bidirectional": True}, False,
-                                     "mixed", 0),
-}
-LSTM_ONLY = {"batched_h_mixed", "proj", "proj_bidirectional_unbatched"}
-
+from recurrent_reference import (B, KINDS, LSTM_ONLY, PROJ, RNN_CASES, assert_close, batched, call,
+                                 check_forward, ensemble, input_shape, loop, make_cell, make_hx,
+                                 make_rnn, routed, scalar)
 
 RNN_PARAMS = [pytest.param(kind, *case, id=f"{kind}-{name}") for kind in KINDS
               for name, case in RNN_CASES.items() if kind == "lstm" or name not in LSTM_ONLY]

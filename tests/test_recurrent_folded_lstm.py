@@ -10,23 +10,16 @@ import pytest
 import torch
 from torch.func import functional_call, grad, vmap
 
-from recurrent_reference import (B, HIDDEN, IN, N, T, assert_close, batched, call, ensemble,
-                                 hidden_shapes, input_shape, loop, make_rnn, routed)
+from recurrent_reference import (B, HIDDEN, IN, N, RNN_CASES, T, assert_close, batched, call,
+                                 ensemble, input_shape, loop, make_hx, make_rnn, routed)
 
 F32 = torch.float32
 TOL = {"rtol": 1e-5, "atol": 1e-6}
+# More samples than per-sample rows N, so that folding samples and rows in the
+# wrong order changes the values.
 SAMPLES = N + 1
-CASES = {  # module options, per-example input has a batch dim, hx spec, input's vmap dim
-    "unbatched": ({}, False, "none", 0),
-    "unbatched_h_shared": ({}, False, "shared", 0),
-    "batched_h_batched": ({}, True, "batched", 0),
-    "batched_h_mixed": ({}, True, "mixed", 0),
-    "batched_x_bdim_last": ({}, True, "batched", 3),
-    "batch_first_h_shared": ({"batch_first": True}, True, "shared", 0),
-    "batch_first_no_h_bdim1": ({"batch_first": True}, True, "none", 1),
-    "two_layers_bidirectional": ({"num_layers": 2, "bidirectional": True}, True, "batched", 0),
-    "no_bias": ({"bias": False}, True, "shared", 0),
-}
+# Every layout but the projections (oneDNN's layer has none: not folded).
+FOLDED_CASES = {name: case for name, case in RNN_CASES.items() if "proj_size" not in case[0]}
 
 
 def lstm_calls(fn: Callable[[], object]) -> int:
@@ -36,25 +29,13 @@ def lstm_calls(fn: Callable[[], object]) -> int:
     return sum(e.count for e in prof.key_averages() if e.key == "aten::lstm")
 
 
-def sample(shape, bdim):
-    """A random float32 tensor of per-sample ``shape``, SAMPLES of them along
-    ``bdim`` (None: shared); SAMPLES differs from the per-sample batch N, so
-    that folding samples and rows in the wrong order changes the values."""
-    shape = list(shape)
-    if bdim is not None:
-        shape.insert(bdim, SAMPLES)
-    return torch.randn(shape, dtype=F32)
-
-
-@pytest.mark.parametrize("options,per_example_batch,hx_spec,x_dim", CASES.values(), ids=CASES)
+@pytest.mark.parametrize("options,per_example_batch,hx_spec,x_dim", FOLDED_CASES.values(),
+                         ids=FOLDED_CASES)
 @pytest.mark.parametrize("grad_mode", [True, False], ids=["grad_mode", "no_grad"])
 def test_folds_into_one_eager_call(options, per_example_batch, hx_spec, x_dim, grad_mode) -> None:
     module = make_rnn("lstm", F32, **options)
-    x = sample(input_shape(module, per_example_batch), x_dim)
-    hx, hx_dims = None, None
-    if hx_spec != "none":
-        hx_dims = (None if hx_spec == "shared" else 0, 0 if hx_spec == "batched" else None)
-        hx = tuple(sample(s, d) for s, d in zip(hidden_shapes(module, per_example_batch), hx_dims))
+    x = batched(input_shape(module, per_example_batch), x_dim, F32, SAMPLES)
+    hx, hx_dims = make_hx(module, per_example_batch, hx_spec, F32, SAMPLES)
     with routed(), torch.set_grad_enabled(grad_mode):
         run = functools.partial(vmap(call(module), in_dims=(x_dim, hx_dims)), x, hx)
         got = run()
