@@ -22,15 +22,28 @@ def operands(batch, rows, in_f, out_f, dtype=torch.float64, seed=0):
 
 # Sizes around the 16 lanes and the 4-row tiles (remainders, fewer than 16 features) and the
 # row counts clipped_grad meets.
-@pytest.mark.parametrize("batch, rows, in_f, out_f", [
+SIZES = [
     (1, 1, 1, 1), (3, 1, 5, 7), (4, 2, 16, 16), (5, 12, 128, 384), (2, 7, 17, 33),
     (3, 20, 32, 512), (2, 32, 31, 15), (0, 4, 8, 8), (2, 0, 8, 8), (2, 3, 0, 8),
-    (2, 9, 5, 3), (1, 128, 40, 24)])  # every tile remainder; the 128 rows cost.py sends
+    (2, 9, 5, 3), (1, 128, 40, 24)]  # every tile remainder; the 128 rows cost.py sends
+
+
+@pytest.mark.parametrize("batch, rows, in_f, out_f", SIZES)
 def test_equals_the_materialized_norm_in_float64(batch, rows, in_f, out_f) -> None:
     a, g = operands(batch, rows, in_f, out_f)
     got = ghost_norms_sq(a, g)
     assert got.shape == (batch,) and got.dtype == torch.float64
     torch.testing.assert_close(got, materialized(a, g), rtol=1e-12, atol=1e-12)
+
+
+# float32 takes the 4 x 4 Gram blocks where the CPU has AVX-512 (Note [Gram blocks on
+# AVX-512]): rows in blocks and in remainders, features in 16-lane passes and tails.
+@pytest.mark.parametrize("batch, rows, in_f, out_f", SIZES + [(2, 8, 160, 512), (3, 6, 48, 20)])
+def test_float32_equals_the_materialized_norm(batch, rows, in_f, out_f) -> None:
+    a, g = operands(batch, rows, in_f, out_f, torch.float32, seed=2)
+    got = ghost_norms_sq(a, g)
+    assert got.shape == (batch,) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), materialized(a, g), rtol=1e-5, atol=1e-5)
 
 
 def test_float32_is_as_accurate_as_the_bmm_formula() -> None:
