@@ -97,9 +97,10 @@ TORCH_LIBRARY(batchrules, m) {
       "-> (Tensor grad_input, Tensor grad_w_ih, Tensor grad_w_hh, Tensor grad_b_ih, "
       "Tensor grad_b_hh, Tensor grad_h0, Tensor grad_c0)");
   // Per-sample squared norms ||g_i^T a_i||_F^2 of rows [B, T, I] and grads
-  // [B, T, O] (clipped_grad's ghost norms; Note [The ghost norm kernel]):
-  // CPU (float32, float64) and Meta only, not differentiable.
-  m.def("ghost_norms_sq(Tensor rows, Tensor grads) -> Tensor");
+  // [B, T, O] (clipped_grad's ghost norms; Note [The ghost norm kernel]),
+  // plus `biases` times ||sum_t g_i,t||^2 (biases sharing the output
+  // gradient): CPU (float32, float64) and Meta only, not differentiable.
+  m.def("ghost_norms_sq(Tensor rows, Tensor grads, int biases=0) -> Tensor");
   // F.layer_norm(input, normalized_shape, eps=eps) without affine, and the
   // inverse deviations [*lead, 1, ...] (clipped_grad's LayerNorm rule: its
   // node saves these two outputs, not the input).

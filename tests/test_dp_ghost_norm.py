@@ -9,9 +9,11 @@ from batchrules.dp import cost
 ghost_norms_sq = torch.ops.batchrules.ghost_norms_sq.default
 
 
-def materialized(a, g):
-    """``||g_i^T a_i||^2`` from the per-sample [O, I] gradients, in float64."""
-    return torch.einsum("bto,bti->boi", g.double(), a.double()).square().sum((1, 2))
+def materialized(a, g, biases=0):
+    """``||g_i^T a_i||^2`` from the per-sample [O, I] gradients, in float64; with
+    ``biases``, of ``[a, 1, ..., 1]``: that many bias gradients ``sum_t g_i,t`` more."""
+    a = torch.cat([a.double(), a.new_ones(*a.shape[:-1], biases, dtype=torch.float64)], -1)
+    return torch.einsum("bto,bti->boi", g.double(), a).square().sum((1, 2))
 
 
 def operands(batch, rows, in_f, out_f, dtype=torch.float64, seed=0):
@@ -28,22 +30,24 @@ SIZES = [
     (2, 9, 5, 3), (1, 128, 40, 24)]  # every tile remainder; the 128 rows cost.py sends
 
 
+@pytest.mark.parametrize("biases", [0, 1, 2])
 @pytest.mark.parametrize("batch, rows, in_f, out_f", SIZES)
-def test_equals_the_materialized_norm_in_float64(batch, rows, in_f, out_f) -> None:
+def test_equals_the_materialized_norm_in_float64(batch, rows, in_f, out_f, biases) -> None:
     a, g = operands(batch, rows, in_f, out_f)
-    got = ghost_norms_sq(a, g)
+    got = ghost_norms_sq(a, g, biases)
     assert got.shape == (batch,) and got.dtype == torch.float64
-    torch.testing.assert_close(got, materialized(a, g), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, materialized(a, g, biases), rtol=1e-12, atol=1e-12)
 
 
 # float32 takes the 4 x 4 Gram blocks where the CPU has AVX-512 (Note [Gram blocks on
 # AVX-512]): rows in blocks and in remainders, features in 16-lane passes and tails.
+@pytest.mark.parametrize("biases", [0, 2])
 @pytest.mark.parametrize("batch, rows, in_f, out_f", SIZES + [(2, 8, 160, 512), (3, 6, 48, 20)])
-def test_float32_equals_the_materialized_norm(batch, rows, in_f, out_f) -> None:
+def test_float32_equals_the_materialized_norm(batch, rows, in_f, out_f, biases) -> None:
     a, g = operands(batch, rows, in_f, out_f, torch.float32, seed=2)
-    got = ghost_norms_sq(a, g)
+    got = ghost_norms_sq(a, g, biases)
     assert got.shape == (batch,) and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), materialized(a, g), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double(), materialized(a, g, biases), rtol=1e-5, atol=1e-5)
 
 
 def test_float32_is_as_accurate_as_the_bmm_formula() -> None:
@@ -70,9 +74,10 @@ def test_any_strides(layout) -> None:
     torch.testing.assert_close(ghost_norms_sq(a, g), materialized(a, g), rtol=1e-12, atol=1e-12)
 
 
-def test_opcheck() -> None:
+@pytest.mark.parametrize("biases", [(), (1,)])
+def test_opcheck(biases) -> None:
     a, g = operands(3, 5, 9, 11)
-    torch.library.opcheck(ghost_norms_sq, (a, g), test_utils=(
+    torch.library.opcheck(ghost_norms_sq, (a, g, *biases), test_utils=(
         "test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 
@@ -86,6 +91,12 @@ def test_bad_shapes_name_them(a_shape, g_shape, match) -> None:
         ghost_norms_sq(torch.zeros(a_shape), torch.zeros(g_shape))
     with pytest.raises(RuntimeError, match=match):  # the Meta kernel: the same message
         ghost_norms_sq(torch.zeros(a_shape, device="meta"), torch.zeros(g_shape, device="meta"))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_negative_biases_are_refused(device) -> None:
+    with pytest.raises(RuntimeError, match="a count of biases >= 0, but got -1"):
+        ghost_norms_sq(torch.zeros(2, 3, 4, device=device), torch.zeros(2, 3, 5, device=device), -1)
 
 
 def test_bad_dtypes_name_them() -> None:
@@ -103,7 +114,8 @@ def test_pair_norms_sq_uses_it_for_few_rows(rows, used, groups, monkeypatch) -> 
     """cost.pair_norms_sq takes the kernel for a ghost norm of at most
     _GHOST_KERNEL_ROWS rows (groups summed), and bmm above; both exact."""
     calls = []
-    monkeypatch.setattr(cost, "_GHOST_KERNEL", lambda a, g: calls.append(a.shape) or ghost_norms_sq(a, g))
+    monkeypatch.setattr(cost, "_GHOST_KERNEL",
+                        lambda a, g, biases: calls.append(a.shape) or ghost_norms_sq(a, g, biases))
     gen = torch.Generator().manual_seed(rows)
     a = torch.randn(4, *groups, rows, 256, generator=gen, dtype=torch.float64)
     g = torch.randn(4, *groups, rows, 300, generator=gen, dtype=torch.float64)
@@ -112,3 +124,19 @@ def test_pair_norms_sq_uses_it_for_few_rows(rows, used, groups, monkeypatch) -> 
     want = materialized(a.flatten(0, -3), g.flatten(0, -3)).view(4, -1).sum(1)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert bool(calls) == used
+
+
+# (rows, in, out): one row; the kernel; the bmm ghost norm (more rows than the kernel takes);
+# the materialized norm (ghost not cheaper).
+@pytest.mark.parametrize("rows, in_f, out_f", [(1, 7, 5), (12, 64, 96),
+                                               (cost._GHOST_KERNEL_ROWS + 2, 300, 260),
+                                               (40, 6, 9)])
+@pytest.mark.parametrize("biases", [0, 1, 2])
+def test_pair_norms_sq_adds_the_biases_on_every_path(rows, in_f, out_f, biases) -> None:
+    """Each of cost.pair_norms_sq's ways adds ``biases`` bias gradients ``sum_t g_t``
+    (the rows with that many columns of ones), exactly."""
+    a, g = operands(3, rows, in_f, out_f, seed=rows)
+    torch.testing.assert_close(cost.pair_norms_sq(a, g, biases), materialized(a, g, biases),
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cost.rows_norms_sq(a, g, biases), materialized(a, g, biases),
+                               rtol=1e-12, atol=1e-12)

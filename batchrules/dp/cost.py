@@ -61,25 +61,30 @@ def _ghost_kernel_runs(a: Tensor, g: Tensor) -> bool:
             and a.dtype == g.dtype and a.dtype in (torch.float32, torch.float64))
 
 
-def pair_norms_sq(a: Tensor, g: Tensor) -> Tensor:
+def pair_norms_sq(a: Tensor, g: Tensor, biases: int = 0) -> Tensor:
     """``||g_i^T a_i||^2`` for ``a: [B, *, T, I]``, ``g: [B, *, T, O]`` (``*``:
-    groups, summed over), by the cheaper way (Note [Ghost or materialized norm])."""
+    groups, summed over), by the cheaper way (Note [Ghost or materialized norm]);
+    plus ``biases`` times ``||sum_t g_i,t||^2`` (that many biases sharing the
+    output gradient: a's rows with ``biases`` columns of ones; no groups)."""
     rows, in_f, out_f = a.shape[-2], a.shape[-1], g.shape[-1]
+    assert biases == 0 or a.dim() == 3, "a bias term sums over a sample's rows: no groups"
     if rows == 1:
-        return (sq_norms(a, -1) * sq_norms(g, -1)).flatten(1).sum(1)
+        return ((sq_norms(a, -1) + biases) * sq_norms(g, -1)).flatten(1).sum(1)
     if ghost_is_cheaper(rows, in_f, out_f):
         if _ghost_kernel_runs(a, g):
-            norms = _GHOST_KERNEL(a.reshape(-1, rows, in_f), g.reshape(-1, rows, out_f))
-            return norms.view(a.shape[0], -1).sum(1)
+            norms = _GHOST_KERNEL(a.reshape(-1, rows, in_f), g.reshape(-1, rows, out_f), biases)
+            return norms if a.dim() == 3 else norms.view(a.shape[0], -1).sum(1)
         # B,T,I x B,I,T -> B,T,T (and the same for g)
         aat = torch.matmul(a, a.transpose(-1, -2))
         ggt = torch.matmul(g, g.transpose(-1, -2))
-        return (aat * ggt).flatten(1).sum(1)
+        return ((aat + biases if biases else aat) * ggt).flatten(1).sum(1)
     # B,O,T x B,T,I -> B,O,I, or its transpose B,I,T x B,T,O -> B,I,O: the same
     # norm, and the wider output last runs far faster (LoRA's B, I = 8, O = 768: 5x on CPU)
     if out_f > in_f:
-        return sq_norms(torch.matmul(a.transpose(-1, -2), g).flatten(1), 1)
-    return sq_norms(torch.matmul(g.transpose(-1, -2), a).flatten(1), 1)
+        squares = sq_norms(torch.matmul(a.transpose(-1, -2), g).flatten(1), 1)
+    else:
+        squares = sq_norms(torch.matmul(g.transpose(-1, -2), a).flatten(1), 1)
+    return squares + biases * sq_norms(g.sum(-2), -1) if biases else squares
 
 
 def chunked(batch: int, per_sample_elements: int, budget_elements: int,
@@ -94,12 +99,12 @@ def chunked(batch: int, per_sample_elements: int, budget_elements: int,
     return torch.cat(parts)
 
 
-def rows_norms_sq(a: Tensor, g: Tensor) -> Tensor:
+def rows_norms_sq(a: Tensor, g: Tensor, biases: int = 0) -> Tensor:
     """``pair_norms_sq`` of recorded rows, in chunks (Note [Bounded transients])."""
     groups = math.prod(a.shape[1:-2])
     per_sample = groups * transient_per_sample(a.shape[-2], a.shape[-1], g.shape[-1])
     return chunked(a.shape[0], per_sample, a.numel() + g.numel(),
-                   lambda s: pair_norms_sq(a[s], g[s]))
+                   lambda s: pair_norms_sq(a[s], g[s], biases))
 
 
 # Note [Cross terms of tied parameters]

@@ -1,6 +1,8 @@
 // The CPU kernel of batchrules::ghost_norms_sq: per sample,
-// sum_{t,s} (a_t . a_s)(g_t . g_s) = ||g^T a||_F^2 without the [T, T] Gram
-// matrices or the [O, I] gradient.
+// sum_{t,s} (a_t . a_s + k)(g_t . g_s) = ||g^T [a, 1_k]||_F^2 without the
+// [T, T] Gram matrices or the [O, I] gradient. With k = 0 that is the
+// weight's squared gradient norm; each unit of k adds a bias sharing the
+// output gradient, ||sum_t g_t||^2 (the rows with k columns of ones).
 //
 // Note [The ghost norm kernel]
 // aten's bmm of a sample's rows against themselves ([B, T, I] x [B, I, T])
@@ -187,7 +189,7 @@ bool gram_blocks_run() {
 // blocks on AVX-512]; blocked a multiple of 4), adding to diagonal and
 // off_diagonal as sample_norm_sq does.
 void blocked_norm_sq(const float* a, const float* g, int64_t blocked, int64_t in, int64_t out,
-                     double& diagonal, double& off_diagonal) {
+                     double biases, double& diagonal, double& off_diagonal) {
   float ga[16], gg[16];
   for (int64_t tb = 0; tb < blocked; tb += 4) {
     for (int64_t sb = 0; sb <= tb; sb += 4) {
@@ -195,7 +197,7 @@ void blocked_norm_sq(const float* a, const float* g, int64_t blocked, int64_t in
       dots4x4_avx512(g + tb * out, g + sb * out, out, gg);
       for (int m = 0; m < 16; ++m) {
         const int64_t t = tb + m / 4, s = sb + m % 4;
-        const double product = static_cast<double>(ga[m]) * static_cast<double>(gg[m]);
+        const double product = (static_cast<double>(ga[m]) + biases) * static_cast<double>(gg[m]);
         if (s < t) {
           off_diagonal += product;
         } else if (s == t) {
@@ -209,30 +211,31 @@ void blocked_norm_sq(const float* a, const float* g, int64_t blocked, int64_t in
 // One sample: a [T, I], g [T, O], both contiguous; ga, gg: T scratch each,
 // one row of each Gram at a time (after the rows formed in blocks, if any).
 template <typename T>
-double sample_norm_sq(const T* a, const T* g, int64_t rows, int64_t in, int64_t out, T* ga,
-                      T* gg) {
+double sample_norm_sq(const T* a, const T* g, int64_t rows, int64_t in, int64_t out,
+                      double biases, T* ga, T* gg) {
   double diagonal = 0;
   double off_diagonal = 0;  // the pairs s < t, each standing for (s, t) and (t, s)
   int64_t blocked = 0;
   if constexpr (std::is_same_v<T, float>) {
     if (gram_blocks_run()) {
       blocked = rows - rows % 4;
-      blocked_norm_sq(a, g, blocked, in, out, diagonal, off_diagonal);
+      blocked_norm_sq(a, g, blocked, in, out, biases, diagonal, off_diagonal);
     }
   }
   for (int64_t t = blocked; t < rows; ++t) {
     gram_row(a, t, in, ga);
     gram_row(g, t, out, gg);
     for (int64_t s = 0; s < t; ++s) {
-      off_diagonal += static_cast<double>(ga[s]) * static_cast<double>(gg[s]);
+      off_diagonal += (static_cast<double>(ga[s]) + biases) * static_cast<double>(gg[s]);
     }
-    diagonal += static_cast<double>(ga[t]) * static_cast<double>(gg[t]);
+    diagonal += (static_cast<double>(ga[t]) + biases) * static_cast<double>(gg[t]);
   }
   return diagonal + 2 * off_diagonal;
 }
 
-at::Tensor ghost_norms_sq_cpu(const at::Tensor& rows_in, const at::Tensor& grads_in) {
-  check_ghost_norm_inputs(rows_in, grads_in);
+at::Tensor ghost_norms_sq_cpu(const at::Tensor& rows_in, const at::Tensor& grads_in,
+                              int64_t biases) {
+  check_ghost_norm_inputs(rows_in, grads_in, biases);
   const at::Tensor rows = rows_in.contiguous();
   const at::Tensor grads = grads_in.contiguous();
   const int64_t batch = rows.size(0), steps = rows.size(1);
@@ -245,9 +248,9 @@ at::Tensor ghost_norms_sq_cpu(const at::Tensor& rows_in, const at::Tensor& grads
     at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
       std::vector<scalar_t> rows_of_grams(2 * steps);
       for (int64_t b = begin; b < end; ++b) {
-        norms[b] = static_cast<scalar_t>(sample_norm_sq(a + b * steps * in, g + b * steps * out,
-                                                        steps, in, out, rows_of_grams.data(),
-                                                        rows_of_grams.data() + steps));
+        norms[b] = static_cast<scalar_t>(sample_norm_sq(
+            a + b * steps * in, g + b * steps * out, steps, in, out, static_cast<double>(biases),
+            rows_of_grams.data(), rows_of_grams.data() + steps));
       }
     });
   });

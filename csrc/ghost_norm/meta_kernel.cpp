@@ -8,8 +8,8 @@ namespace batchrules {
 
 namespace {
 
-at::Tensor ghost_norms_sq_meta(const at::Tensor& rows, const at::Tensor& grads) {
-  check_ghost_norm_inputs(rows, grads);
+at::Tensor ghost_norms_sq_meta(const at::Tensor& rows, const at::Tensor& grads, int64_t biases) {
+  check_ghost_norm_inputs(rows, grads, biases);
   return at::empty({rows.size(0)}, rows.options());
 }
 

@@ -4,8 +4,9 @@
 
 namespace batchrules {
 
-void check_ghost_norm_inputs(const at::Tensor& rows, const at::Tensor& grads) {
+void check_ghost_norm_inputs(const at::Tensor& rows, const at::Tensor& grads, int64_t biases) {
   constexpr const char* op = "batchrules.ghost_norms_sq";
+  TORCH_CHECK(biases >= 0, op, ": expected a count of biases >= 0, but got ", biases);
   TORCH_CHECK(rows.dim() == 3 && grads.dim() == 3, op,
               ": expected rows [B, T, I] and grads [B, T, O], but got shapes ", rows.sizes(),
               " and ", grads.sizes());

@@ -5,7 +5,8 @@
 
 namespace batchrules {
 
-// rows [B, T, I] and grads [B, T, O] of one dtype and device, float32 or float64.
-void check_ghost_norm_inputs(const at::Tensor& rows, const at::Tensor& grads);
+// rows [B, T, I] and grads [B, T, O] of one dtype and device, float32 or
+// float64; biases >= 0.
+void check_ghost_norm_inputs(const at::Tensor& rows, const at::Tensor& grads, int64_t biases);
 
 }  // namespace batchrules

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..._compat import batched_level
-from ..cost import rows_norms_sq, sq_norms
+from ..cost import rows_norms_sq
 from ..gemm import clipped_gemm
 from ..rule import NOT_HANDLED, Factors, Use, autocast_matches, batched, bind, physical, register
 from ..tape import Param, Tape, tap, weight_for
@@ -84,29 +84,26 @@ class LinearUse(Use):
 
     @classmethod
     def norms_sq(cls, uses: List[Use], bias: Optional[Param]) -> Tensor:
-        """Per-sample squared gradient norms of the weight and ``bias``: with
-        one row, ``||g_i||^2 (||a_i||^2 + 1)``."""
+        """Per-sample squared gradient norms of the weight and ``bias``: the
+        bias' gradient ``sum_t g_i,t`` is the weight's of a column of ones,
+        so it joins the same norm (``biases``; with one row, ``||g_i||^2
+        (||a_i||^2 + 1)``)."""
         a, g = all_rows(uses)
-        if a.shape[1] == 1:
-            g_sq, a_sq = sq_norms(g, (1, 2)), sq_norms(a, (1, 2))
-            return g_sq * (a_sq + 1) if bias is not None else g_sq * a_sq
-        squares = rows_norms_sq(a, g)
-        return squares + sq_norms(bias_grads(uses, g), 1) if bias is not None else squares
+        return rows_norms_sq(a, g, biases=int(bias is not None))
 
     @classmethod
     def joint_norms_sq(cls, uses: List[Use], biases: List[Optional[Param]]) -> Tensor:
         """One ghost norm of the shared gradient g over the uses' rows side by
-        side (Note [Weights sharing an output gradient] in clipping.py), plus
-        each fused bias' ``||sum_t g_i,t||^2``."""
+        side (Note [Weights sharing an output gradient] in clipping.py), each
+        fused bias a column of ones among them."""
         g = uses[0].grad
         rows = torch.cat([u.rows for u in uses], -1)  # type: ignore[attr-defined]
-        squares = rows_norms_sq(rows, g)
-        if any(b is not None for b in biases):
-            g_sum_sq = sq_norms(bias_grads(uses, g), 1)
-            for u in uses:  # one row sum for every partner's bias (and its clipped sum)
-                u.grad_row_sum = uses[0].grad_row_sum  # type: ignore[attr-defined]
-            squares = squares + sum(b is not None for b in biases) * g_sum_sq
-        return squares
+        count = sum(b is not None for b in biases)
+        if count:  # the partners' clipped sums share one row sum of g for their biases
+            shared = bias_grads(uses, g)
+            for u in uses:
+                u.grad_row_sum = shared  # type: ignore[attr-defined]
+        return rows_norms_sq(rows, g, biases=count)
 
     @classmethod
     def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
