@@ -31,7 +31,7 @@ its forward and backward with the affine ``addcmul`` took 175 µs, against
 """
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F

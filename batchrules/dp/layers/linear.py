@@ -40,6 +40,9 @@ class LinearUse(Use):
     edge: Any
     grad: Optional[Tensor] = None  # [B, T, O]
     grad_row_sum: Optional[Tensor] = None  # [B, O]: the bias' per-sample gradient, once formed
+    # The grad_partners' rows side by side, [B, T, sum of widths], where the
+    # rule wrote them so (the joint norm's rows without a concatenated copy).
+    partner_rows: Optional[Tensor] = None
 
     def roles(self) -> Dict[Param, str]:
         return {self.weight: "weight", **({self.bias: "bias"} if self.bias is not None else {})}
@@ -55,7 +58,8 @@ class LinearUse(Use):
         return torch.bmm(self.grad.transpose(1, 2), self.rows)  # B,O,T x B,T,I -> B,O,I
 
     def release(self) -> None:
-        self.grad = self.rows = self.grad_row_sum = None  # type: ignore[assignment]
+        self.grad = self.rows = None  # type: ignore[assignment]
+        self.grad_row_sum = self.partner_rows = None
         self.grad_partners = None  # a cycle through the partners' list
 
     @classmethod
@@ -97,7 +101,9 @@ class LinearUse(Use):
         side (Note [Weights sharing an output gradient] in clipping.py), each
         fused bias a column of ones among them."""
         g = uses[0].grad
-        rows = torch.cat([u.rows for u in uses], -1)  # type: ignore[attr-defined]
+        side_by_side = uses[0].partner_rows  # type: ignore[attr-defined]
+        rows = (torch.cat([u.rows for u in uses], -1)  # type: ignore[attr-defined]
+                if side_by_side is None else side_by_side.to(g.dtype))
         count = sum(b is not None for b in biases)
         if count:  # the partners' clipped sums share one row sum of g for their biases
             shared = bias_grads(uses, g)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..rule import NOT_HANDLED, Rule, autocast_dtype, batched, bind, physical, register
-from ..tape import Param, Tape, tap
+from ..tape import Tape, tap
 from .linear import LinearUse, linear_use
 
 _LAYER_ARGS = (("input", "hx", "params", "has_biases", "num_layers", "dropout", "train",
@@ -84,10 +84,19 @@ def _layer(tape: Tape, a: Tensor, h0: Tensor, c0: Optional[Tensor], w: Sequence[
         None if c0 is None else c0.reshape(-1, hidden), w_hh.detach().to(state),
         None if b_step is None else b_step.to(state), None, mode, reverse)
     out = out.view(steps, batch, rows, hidden).transpose(0, 1)  # B,T,N,H
-    start = h0.detach().unsqueeze(1)
-    rest = out.detach()
-    prev = (torch.cat([rest[:, 1:], start], 1) if reverse else
-            torch.cat([start, rest[:, :-1]], 1))[:, :steps]
+    # W_hh's rows h_{t-1}, written after W_ih's rows x_t when the two share g:
+    # their joint norm reads both without a concatenated copy
+    joint = shared_g and a.dtype == out.dtype
+    side_by_side = out.new_empty(batch, steps, rows, (width if joint else 0) + hidden)
+    prev = side_by_side[..., side_by_side.shape[-1] - hidden:]
+    if steps:  # h_{t-1}: h0 at the first step (the last when reversed), then the outputs
+        rest = out.detach()
+        if reverse:
+            prev[:, :-1], prev[:, -1] = rest[:, 1:], h0.detach()
+        else:
+            prev[:, 0], prev[:, 1:] = h0.detach(), rest[:, :-1]
+    if joint:
+        side_by_side[..., :width] = a.detach()
     reset = None
     if mode == 1:
         reset = saved.view(steps, batch, rows, -1)[..., :hidden].transpose(0, 1)
@@ -97,6 +106,8 @@ def _layer(tape: Tape, a: Tensor, h0: Tensor, c0: Optional[Tensor], w: Sequence[
     tape.record(use, (), "recurrence")
     if shared_g:  # Note [Weights sharing an output gradient] in clipping.py
         input_use.grad_partners = use.grad_partners = [input_use, use]
+        if joint:
+            input_use.partner_rows = use.partner_rows = side_by_side.view(batch, -1, width + hidden)
     return out, h_n.view(batch, rows, hidden), None if c_n is None else c_n.view(batch, rows, -1)
 
 
