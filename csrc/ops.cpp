@@ -46,11 +46,6 @@ const c10::TypedOperatorHandle<FusedLstmBackwardSig>& fused_lstm_layer_backward_
   return op;
 }
 
-const c10::TypedOperatorHandle<NormalizeSig>& normalize_op() {
-  static const auto op = find_op<NormalizeSig>("batchrules::normalize");
-  return op;
-}
-
 #define BATCHRULES_DEFINE_ACTIVATION_OPS(name, ...)                                       \
   const c10::TypedOperatorHandle<ActivationSig>& name##_op() {                            \
     static const auto op = find_op<ActivationSig>("batchrules::" #name);                  \
@@ -101,10 +96,6 @@ TORCH_LIBRARY(batchrules, m) {
   // plus `biases` times ||sum_t g_i,t||^2 (biases sharing the output
   // gradient): CPU (float32, float64) and Meta only, not differentiable.
   m.def("ghost_norms_sq(Tensor rows, Tensor grads, int biases=0) -> Tensor");
-  // F.layer_norm(input, normalized_shape, eps=eps) without affine, and the
-  // inverse deviations [*lead, 1, ...] (clipped_grad's LayerNorm rule: its
-  // node saves these two outputs, not the input).
-  m.def("normalize(Tensor input, int[] normalized_shape, float eps) -> (Tensor, Tensor)");
   // Each activation: <name>(self) and <name>_backward(grad_output, self),
   // whose operands broadcast against each other as in aten::silu_backward.
 #define BATCHRULES_DEFINE_ACTIVATION_SCHEMAS(name, ...) \

@@ -62,12 +62,6 @@ using FusedLstmBackwardSig = FusedLstmGradsResult(
 const c10::TypedOperatorHandle<FusedLstmSig>& fused_lstm_layer_op();
 const c10::TypedOperatorHandle<FusedLstmBackwardSig>& fused_lstm_layer_backward_op();
 
-// A layer norm without affine parameters, returning (x_hat, rstd): the
-// normalization of clipped_grad's LayerNorm rule (normalize/).
-using NormalizeSig = std::tuple<Tensor, Tensor>(const Tensor&, at::IntArrayRef, double);
-
-const c10::TypedOperatorHandle<NormalizeSig>& normalize_op();
-
 // Pointwise activations f(self) and their backward grad_output * f'(self):
 // <name>_op() and <name>_backward_op() for each entry of
 // activations/activation_list.h.

@@ -3,31 +3,27 @@
 ``F.layer_norm(x, shape, w, b)`` is ``x_hat * w + b`` with ``x_hat`` the
 normalized input: sample i's gradients are ``sum_t g_i,t * x_hat_i,t`` for
 ``w`` and ``sum_t g_i,t`` for ``b``, each of the parameter's own size. The
-rule runs the normalization and the affine step on physical tensors
-(``F.layer_norm`` without affine, then one ``addcmul``) and records
-``x_hat``; those [B, *shape] per-sample gradients are then formed directly
-(the rule factors no weight: clipping.py's materialized kind), instead of
+rule runs the layer on physical tensors and records what ``x_hat`` is made
+of; those [B, *shape] per-sample gradients are then formed directly (the
+rule factors no weight: clipping.py's materialized kind), instead of
 through per-sample copies of ``w`` and ``b`` under vmap, whose batched
 LayerNorm takes several more kernels forward and backward.
 
-Note [Normalizing without keeping the input]
-``F.layer_norm``'s autograd keeps its input for the backward, and the tape
-keeps ``x_hat`` for the per-sample gradients: two [B, T, *shape] tensors
-where the non-private step keeps one. ``_normalize`` keeps ``x_hat`` and the
-inverse deviations instead (its backward, ``rstd * (g - mean(g) - x_hat *
-mean(g * x_hat))``, needs nothing else: aten's fused kernel run on x_hat as
-its own input, then scaled), so the tape's ``x_hat`` is the only
-one and the input is freed once the next layer is done with it (BERT bench
-row, B 16: peak 92.3 MB instead of 94.5; GPT-2: 169.5 instead of 178.9).
-Under autocast ``F.layer_norm`` runs as before: its dtype is autocast's policy
-for ``layer_norm`` (float32 on CUDA, the input's on the CPU), which
-``native_layer_norm`` does not share. ``_normalize`` is a C++ operator with
-a hand-written node (csrc/normalize/), not an ``autograd.Function``: under
-clipped_grad's vmap a Function goes through functorch's generated vmap rule
-even on unbatched tensors, 180-360 µs a call over ``F.layer_norm``'s (10% of
-the DDP row's small transformer step), and as a Python torch.library op
-its forward and backward with the affine ``addcmul`` took 175 µs, against
-95 µs now and 50 µs for ``F.layer_norm``'s own (1 thread, [32, 12, 128]).
+Note [LayerNorm's own kernel, x_hat from what its node saves]
+The rule calls ``torch.native_layer_norm`` with the detached affine
+parameters: aten's fused kernel forward and backward, what the non-private
+step runs. Its node saves the input, mean and inverse deviations; the tape
+records those same tensors, and ``x_hat = (x - mean) * rstd`` is formed only
+when the weight's per-sample gradient is, in the clip. So the step keeps one
+[B, T, *shape] tensor per LayerNorm, as the non-private step does. (The rule
+used to normalize with an operator of its own and add the affine with an
+``addcmul``, keeping ``x_hat`` instead of the input: two kernels and two
+nodes more; this way the DDP row's transformer step went from 1.431 to 1.395
+and from 1.439 to 1.420 times the non-private step, one process, alternated.)
+Under autocast the rule runs ``F.layer_norm`` without affine and the
+``addcmul``, recording ``x_hat`` itself: ``layer_norm``'s dtype is autocast's
+policy (float32 on CUDA, the input's on the CPU), which ``native_layer_norm``
+does not share.
 """
 import math
 from dataclasses import dataclass
@@ -39,12 +35,6 @@ from torch import Tensor
 
 from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
 from ..tape import Param, Tape, tap, weight_for
-
-
-# The normalization without affine and its inverse deviations; its node
-# saves those two, not the input (Note [Normalizing without keeping the
-# input]; csrc/normalize/).
-_normalize = torch.ops.batchrules.normalize.default
 
 
 _LAYER_NORM_ARGS = (("input", "normalized_shape", "weight", "bias", "eps"), (None, None, 1e-5))
@@ -59,8 +49,10 @@ class LayerNormUse(Use):
 
     weight: Optional[Param]
     bias: Optional[Param]
-    normalized: Tensor  # [B, T, *shape]: x_hat, T rows per sample
+    rows: Tensor  # [B, T, *shape], T rows per sample: the input, or x_hat where mean is None
     edge: Any
+    mean: Optional[Tensor] = None  # [B, T, 1, ...]: with rstd, x_hat = (rows - mean) * rstd
+    rstd: Optional[Tensor] = None
     grad: Optional[Tensor] = None  # [B, T, *shape]
 
     def roles(self) -> Dict[Param, str]:
@@ -70,16 +62,19 @@ class LayerNormUse(Use):
         if grad is not None:
             # [B, *lead, *shape] -> [B, T, *shape]: merges the leading dims, a
             # copy when they are not contiguous (a pre-norm residual's gradient).
-            self.grad = grad.reshape(self.normalized.shape)
-            self.normalized = self.normalized.to(grad.dtype)  # Note [clipped_grad under autocast]
+            self.grad = grad.reshape(self.rows.shape)
+            if self.mean is None:  # x_hat under autocast: Note [clipped_grad under autocast]
+                self.rows = self.rows.to(grad.dtype)
 
     def per_sample_grad(self, role: str) -> Tensor:
         if role == "bias":
             return self.grad.sum(1)
-        return (self.grad * self.normalized).sum(1)
+        if self.mean is None:
+            return (self.grad * self.rows).sum(1)
+        return (self.rows - self.mean).mul_(self.rstd).mul_(self.grad).sum(1)  # one temporary
 
     def release(self) -> None:
-        self.grad = self.normalized = None  # type: ignore[assignment]
+        self.grad = self.rows = self.mean = self.rstd = None  # type: ignore[assignment]
 
     @classmethod
     def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -97,18 +92,25 @@ class LayerNormUse(Use):
                        for t in (w, b))):
             return NOT_HANDLED
         batch = a.shape[0]
-        rows = math.prod(a.shape[1:a.dim() - len(shape)])
-        normalized = (F.layer_norm(a, shape, None, None, eps)
-                      if torch.is_autocast_enabled(a.device.type)
-                      else _normalize(a, list(shape), eps)[0])
-        # A fresh output with a node (Note [Tapping an output that may later change in place]).
-        needs = normalized.requires_grad
-        if w is None:
-            out = normalized + weight_for(b, needs)
-        elif b is None:
-            out = normalized * weight_for(w, needs)
-        else:
-            out = torch.addcmul(b.detach(), normalized, weight_for(w, needs))
-        use = cls(weight, bias, normalized.detach().view(batch, rows, *shape), tap(out))
-        tape.record(use, (), "layer norm")
+        lead = (batch, math.prod(a.shape[1:a.dim() - len(shape)]))
+        needs = a.requires_grad
+        if torch.is_autocast_enabled(a.device.type):  # See the Note above.
+            normalized = F.layer_norm(a, shape, None, None, eps)
+            if w is None:
+                out = normalized + weight_for(b, needs)
+            elif b is None:
+                out = normalized * weight_for(w, needs)
+            else:
+                out = torch.addcmul(b.detach(), normalized, weight_for(w, needs))
+            use, recorded = cls(weight, bias, normalized.detach().view(*lead, *shape), tap(out)), ()
+        else:  # Note [LayerNorm's own kernel, x_hat from what its node saves]
+            w_op = None if w is None else weight_for(w, needs)
+            b_op = None if b is None else b.detach() if w is not None else weight_for(b, needs)
+            # A fresh output with a node (Note [Tapping an output that may later change in place]).
+            out, mean, rstd = torch.native_layer_norm(a, list(shape), w_op, b_op, eps)
+            ones = (1,) * len(shape)
+            use = cls(weight, bias, a.detach().reshape(*lead, *shape), tap(out),
+                      mean.view(*lead, *ones), rstd.view(*lead, *ones))
+            recorded = (a,)
+        tape.record(use, recorded, "layer norm")
         return batched(tape, out)
