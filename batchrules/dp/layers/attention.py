@@ -31,11 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from ..._compat import batched_level
-from ..rule import NOT_HANDLED, Rule, batched, physical, register
+from ..rule import NOT_HANDLED, Rule, batched, bind, physical, register
 from ..tape import Tape
 from .linear import ghostable, recorded_linear
 
-_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+# (names, trailing defaults) for rule.bind: inspect's Signature.bind took ~40 us a call
+_PARAMETERS = list(inspect.signature(F.multi_head_attention_forward).parameters.values())
+_FIRST_DEFAULT = next(i for i, p in enumerate(_PARAMETERS) if p.default is not p.empty)
+_MHA_ARGS = (tuple(p.name for p in _PARAMETERS),
+             tuple(p.default for p in _PARAMETERS[_FIRST_DEFAULT:]))
 # Arguments outside the decomposed configuration unless None / False.
 _MUST_BE_NONE = ("bias_k", "bias_v", "static_k", "static_v", "key_padding_mask")
 _MUST_BE_FALSE = ("use_separate_proj_weight", "add_zero_attn", "need_weights")
@@ -74,12 +78,10 @@ class AttentionRule(Rule):
 
     @classmethod
     def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        try:
-            bound = _SIGNATURE.bind(*args, **kwargs)
-        except TypeError:
+        values = bind(*_MHA_ARGS, args, kwargs)
+        if values is None:
             return NOT_HANDLED
-        bound.apply_defaults()
-        p = bound.arguments
+        p = dict(zip(_MHA_ARGS[0], values))
         query, heads, embed = p["query"], p["num_heads"], p["embed_dim_to_check"]
         if (query is not p["key"] or query is not p["value"]
                 or any(p[name] is not None for name in _MUST_BE_NONE)
