@@ -48,10 +48,6 @@ _NOT_RULE_KINDS = (*_PER_SAMPLE, "zero", "tied")
 # cost.py), its clipped sum the parts' clipped sums added. Anything else (a
 # per-sample copy, a bias role among the uses, a part without factors) takes
 # the materialized path: each use's per-sample gradient [B, *shape], summed.
-def _live(param: Param) -> List[Use]:
-    return [u for u in param.uses if u.grad is not None]
-
-
 def _parts(uses: List[Use]) -> Optional[List[List[Use]]]:
     """Weight uses grouped as their rules take them; None if some use is not taken."""
     by_rule: Dict[type, List[Use]] = {}
@@ -69,15 +65,14 @@ def _parts(uses: List[Use]) -> Optional[List[List[Use]]]:
 
 
 def kind(param: Param) -> str:
-    live = _live(param)
     if param.copy_grad is not None:
         return "materialized"
-    if not live:
+    if not param.uses:
         return "zero"
-    roles = {u.roles()[param] for u in live}
+    roles = {u.roles()[param] for u in param.uses}
     if roles == {"bias"}:
         return "bias"
-    parts = _parts(live) if roles == {"weight"} else None
+    parts = _parts(param.uses) if roles == {"weight"} else None
     if parts is None:
         return "materialized"
     if len(parts) == 1:
@@ -89,7 +84,7 @@ def kind(param: Param) -> str:
 
 def per_sample_grad(param: Param, batch: int) -> Tensor:
     """``[B, *shape]``: the sum over its uses (and its per-sample copy)."""
-    grads = [u.per_sample_grad(u.roles()[param]) for u in _live(param)]
+    grads = [u.per_sample_grad(u.roles()[param]) for u in param.uses]
     if param.copy_grad is not None:
         grads.append(param.copy_grad)
     total = grads[0] if grads else zeros_grad(param, batch)
@@ -101,9 +96,9 @@ def per_sample_grad(param: Param, batch: int) -> Tensor:
 def _fused_bias(weight: Param, kinds: Dict[Param, str]) -> Optional[Param]:
     """The bias whose every use is a use of ``weight``, in the role "bias":
     its norm and clipped sum come with the weight's."""
-    uses = _live(weight)
+    uses = weight.uses
     bias = _role(uses[0], "bias")
-    if bias is None or kinds[bias] != "bias" or _live(bias) != uses:
+    if bias is None or kinds[bias] != "bias" or bias.uses != uses:
         return None
     return bias
 
@@ -124,13 +119,12 @@ def _joint_groups(params: List[Param], kinds: Dict[Param, str],
     """Each weight whose norm is part of a joint norm: its group's uses."""
     groups: Dict[Param, List[Use]] = {}
     for p in params:
-        live = _live(p)
-        if kinds[p] in _NOT_RULE_KINDS or len(live) != 1 or live[0].grad_partners is None:
+        if kinds[p] in _NOT_RULE_KINDS or len(p.uses) != 1 or p.uses[0].grad_partners is None:
             continue
-        partners = live[0].grad_partners
+        partners = p.uses[0].grad_partners
         weights = [_role(u, "weight") for u in partners]
         if all(u.grad is not None and type(u).norms_include_bias and w is not None
-               and kinds.get(w) == type(u).kind and _live(w) == [u]
+               and kinds.get(w) == type(u).kind and w.uses == [u]
                and _role(u, "bias") == fused.get(w) for u, w in zip(partners, weights)):
             groups.update((w, partners) for w in weights)  # type: ignore[misc]
     return groups
@@ -143,7 +137,7 @@ def _role(use: Use, role: str) -> Optional[Param]:
 def _norms(params: List[Param], kinds: Dict[Param, str], fused: Dict[Param, Param],
            per_sample: Dict[Param, Tensor], batch: int) -> Tensor:
     squares: List[Tensor] = []
-    in_weight_norm = {b for w, b in fused.items() if type(_live(w)[0]).norms_include_bias}
+    in_weight_norm = {b for w, b in fused.items() if type(w.uses[0]).norms_include_bias}
     joint = _joint_groups(params, kinds, fused)
     joined: List[List[Use]] = []
     for p in params:
@@ -161,7 +155,7 @@ def _norms(params: List[Param], kinds: Dict[Param, str], fused: Dict[Param, Para
         elif k == "tied":
             squares.append(_tied_norms_sq(p))
         elif k != "zero":
-            uses = _live(p)
+            uses = p.uses
             squares.append(type(uses[0]).norms_sq(uses, fused.get(p)))
     if not squares:
         return torch.zeros(batch, dtype=params[0].value.dtype if params else None,
@@ -174,7 +168,7 @@ def _norms(params: List[Param], kinds: Dict[Param, str], fused: Dict[Param, Para
 
 def _tied_norms_sq(p: Param) -> Tensor:
     """Each part's squared norms, plus twice the cross terms of each pair of parts."""
-    parts = _parts(_live(p))
+    parts = _parts(p.uses)
     total = type(parts[0][0]).norms_sq(parts[0], None)
     for part in parts[1:]:
         total = total + type(part[0]).norms_sq(part, None)
@@ -194,12 +188,12 @@ def _clipped_sum(p: Param, k: str, coef: Tensor, fused: Dict[Param, Param],
     if k == "zero":
         return torch.zeros_like(p.value), None
     if k == "tied":  # additive over the parts (their biases, if any, are of kind "bias")
-        parts = _parts(_live(p))
+        parts = _parts(p.uses)
         total = type(parts[0][0]).clipped_sum(parts[0], coef, None, owned)[0]
         for part in parts[1:]:
             total = total + type(part[0]).clipped_sum(part, coef, None, owned)[0]
         return total, None
-    uses = _live(p)
+    uses = p.uses
     return type(uses[0]).clipped_sum(uses, coef, fused.get(p), owned)
 
 
@@ -228,7 +222,7 @@ def clip(params: List[Param], batch: int, max_norm: float) -> Tuple[List[Tensor]
     # An output gradient is read once more, by its weight's clipped sum, which
     # may then scale it in place: unless autograd handed the same storage to
     # several recorded outputs (an add's backward passes one tensor to both).
-    live = {id(u): u for p in params for u in _live(p)}
+    live = {id(u): u for p in params for u in p.uses}
     storages = Counter(_storage(u.grad) for u in live.values())
 
     def owned(g: Tensor) -> bool:
@@ -242,7 +236,7 @@ def clip(params: List[Param], batch: int, max_norm: float) -> Tuple[List[Tensor]
         sums[p], grad_b = _clipped_sum(p, kinds[p], coef, fused, per_sample, owned)
         if p in fused:
             sums[fused[p]] = grad_b
-        for use in _live(p):
+        for use in p.uses:
             if all(q in sums for q in use.roles()):
                 use.release()
     return [sums[p] for p in params], norms

@@ -46,8 +46,9 @@ def weight_for(weight: Tensor, other_operands_need_grad: bool) -> Tensor:
 class Param:
     """A differentiated tensor: its name (key path) for messages, the leaf the
     loss sees (Note [Intercepting only the calls that take a parameter] in
-    interceptor.py), its intercepted uses and, when some use could not be ghosted,
-    its per-sample copy (see Note [Per-sample copies])."""
+    interceptor.py), its intercepted uses (after the backward, those whose
+    output reached the loss) and, when some use could not be ghosted, its
+    per-sample copy (see Note [Per-sample copies])."""
 
     index: int
     namer: Callable[[], str]

@@ -210,6 +210,8 @@ def _backward(losses: Tensor, tape: Tape, params: List[Param]) -> None:
         use.set_grad(g if g is None else g.to(next(iter(use.roles())).value.dtype))
     for p, g in zip(copies, grads[len(tape.uses):]):
         p.copy_grad = g
+    for p in params:  # the clipping sees only the uses whose output reached the loss
+        p.uses = [u for u in p.uses if u.grad is not None]
 
 
 def _positions(argnums: ArgNums, n_args: int) -> Tuple[int, ...]:
