@@ -130,10 +130,11 @@ class EmbeddingUse(Use):
     def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
                     owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
         """``sum_i c_i`` (table gradient of sample i) in one embedding_dense_backward."""
-        keys, g = _all_keys(uses)
+        idx, g = _scaled_rows(uses, slice(0, coef.shape[0]))
+        scaled = g * coef.to(g.dtype).view(-1, 1, 1)  # b,T,D x b,1,1 -> b,T,D
         vocab = uses[0].weight.value.shape[0]  # type: ignore[attr-defined]
-        c = coef.to(g.dtype)[keys // vocab].unsqueeze(1)
-        return torch.ops.aten.embedding_dense_backward(g * c, keys % vocab, vocab, -1, False), None
+        return torch.ops.aten.embedding_dense_backward(scaled.flatten(0, 1), idx.flatten(), vocab,
+                                                       -1, False), None
 
     @classmethod
     def factors(cls, uses: List[Use]) -> Factors:
@@ -142,12 +143,13 @@ class EmbeddingUse(Use):
         vocab, dim = uses[0].weight.value.shape  # type: ignore[attr-defined]
         shapes = [u.indices.shape for u in uses]  # type: ignore[attr-defined]
         batch, rows = shapes[0][0], sum(shape[1] for shape in shapes)
+        return Factors(batch, rows, vocab, dim, True, lambda s: _scaled_rows(uses, s), rows * dim)
 
-        def at(s: slice) -> Tuple[Tensor, Tensor]:
-            parts = [u.scaled(s) for u in uses]  # type: ignore[attr-defined]
-            return cat_rows([i for i, _ in parts]), cat_rows([g for _, g in parts])
 
-        return Factors(batch, rows, vocab, dim, True, at, rows * dim)
+def _scaled_rows(uses: List[Use], s: slice) -> Tuple[Tensor, Tensor]:
+    """Slice ``s`` of every use's indices and row gradients (``scaled``), their rows concatenated."""
+    parts = [u.scaled(s) for u in uses]  # type: ignore[attr-defined]
+    return cat_rows([i for i, _ in parts]), cat_rows([g for _, g in parts])
 
 
 def _all_keys(uses: List[Use]) -> Tuple[Tensor, Tensor]:
