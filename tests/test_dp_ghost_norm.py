@@ -107,7 +107,7 @@ def test_bad_dtypes_name_them() -> None:
                        torch.zeros(2, 3, 4, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("rows, used", [(12, True), (cost._GHOST_KERNEL_ROWS, True),
+@pytest.mark.parametrize("rows, used", [(1, True), (12, True), (cost._GHOST_KERNEL_ROWS, True),
                                         (cost._GHOST_KERNEL_ROWS + 1, False)])
 @pytest.mark.parametrize("groups", [(), (3,)])
 def test_pair_norms_sq_uses_it_for_few_rows(rows, used, groups, monkeypatch) -> None:
@@ -139,4 +139,14 @@ def test_pair_norms_sq_adds_the_biases_on_every_path(rows, in_f, out_f, biases) 
     torch.testing.assert_close(cost.pair_norms_sq(a, g, biases), materialized(a, g, biases),
                                rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(cost.rows_norms_sq(a, g, biases), materialized(a, g, biases),
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("biases", [0, 2])
+def test_one_row_without_the_kernel(biases, monkeypatch) -> None:
+    """The one-row norm where the kernel does not run (CUDA, half precision):
+    (||a_i||^2 + biases) ||g_i||^2, exactly."""
+    monkeypatch.setattr(cost, "_ghost_kernel_runs", lambda a, g: False)
+    a, g = operands(3, 1, 7, 5, seed=1)
+    torch.testing.assert_close(cost.pair_norms_sq(a, g, biases), materialized(a, g, biases),
                                rtol=1e-12, atol=1e-12)

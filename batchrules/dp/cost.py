@@ -56,8 +56,9 @@ _GHOST_KERNEL_ROWS = 128  # Note [The ghost norm kernel] (csrc/ghost_norm/kernel
 
 
 def _ghost_kernel_runs(a: Tensor, g: Tensor) -> bool:
-    """The C++ ghost norm for a CPU layer's few rows (faster than two bmms there)."""
-    return (1 < a.shape[-2] <= _GHOST_KERNEL_ROWS and a.device.type == "cpu"
+    """The C++ ghost norm for a CPU layer's few rows (faster than two bmms
+    there, and than the four ops of the one-row norm)."""
+    return (0 < a.shape[-2] <= _GHOST_KERNEL_ROWS and a.device.type == "cpu"
             and a.dtype == g.dtype and a.dtype in (torch.float32, torch.float64))
 
 
@@ -68,12 +69,13 @@ def pair_norms_sq(a: Tensor, g: Tensor, biases: int = 0) -> Tensor:
     output gradient: a's rows with ``biases`` columns of ones; no groups)."""
     rows, in_f, out_f = a.shape[-2], a.shape[-1], g.shape[-1]
     assert biases == 0 or a.dim() == 3, "a bias term sums over a sample's rows: no groups"
+    ghost = rows == 1 or ghost_is_cheaper(rows, in_f, out_f)
+    if ghost and _ghost_kernel_runs(a, g):
+        norms = _GHOST_KERNEL(a.reshape(-1, rows, in_f), g.reshape(-1, rows, out_f), biases)
+        return norms if a.dim() == 3 else norms.view(a.shape[0], -1).sum(1)
     if rows == 1:
         return ((sq_norms(a, -1) + biases) * sq_norms(g, -1)).flatten(1).sum(1)
-    if ghost_is_cheaper(rows, in_f, out_f):
-        if _ghost_kernel_runs(a, g):
-            norms = _GHOST_KERNEL(a.reshape(-1, rows, in_f), g.reshape(-1, rows, out_f), biases)
-            return norms if a.dim() == 3 else norms.view(a.shape[0], -1).sum(1)
+    if ghost:
         # B,T,I x B,I,T -> B,T,T (and the same for g)
         aat = torch.matmul(a, a.transpose(-1, -2))
         ggt = torch.matmul(g, g.transpose(-1, -2))
