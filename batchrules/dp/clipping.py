@@ -184,7 +184,8 @@ def _clipped_sum(p: Param, k: str, coef: Tensor, fused: Dict[Param, Param],
     """The clipped sum of ``p`` (and of its fused bias)."""
     if k in _PER_SAMPLE:
         g = per_sample.pop(p)
-        return torch.tensordot(coef.to(g.dtype), g, dims=1), None
+        # B x B,P -> P (torch.matmul: tensordot's Python wrapper cost ~4 us a parameter)
+        return torch.matmul(coef.to(g.dtype), g.reshape(g.shape[0], -1)).view(g.shape[1:]), None
     if k == "zero":
         return torch.zeros_like(p.value), None
     if k == "tied":  # additive over the parts (their biases, if any, are of kind "bias")
