@@ -67,8 +67,9 @@ class Differentiated(Tensor):
 
 
 def intercepted_leaf(leaf: Tensor) -> Differentiated:
-    """A detached ``Differentiated`` leaf that requires grad, sharing ``leaf``'s storage."""
-    return Tensor._make_subclass(Differentiated, leaf.detach(), True)
+    """A detached ``Differentiated`` leaf that requires grad, sharing ``leaf``'s
+    storage (``_make_subclass`` detaches it)."""
+    return Tensor._make_subclass(Differentiated, leaf, True)
 
 
 class Interceptor:

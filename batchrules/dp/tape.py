@@ -53,14 +53,10 @@ class Param:
     index: int
     namer: Callable[[], str]
     leaf: Tensor  # an interceptor.Differentiated
+    value: Tensor  # the leaf's data as a plain tensor (no interception)
     uses: List["Use"] = field(default_factory=list)
     copy: Optional[Tensor] = None  # physical [B, *shape] leaf
     copy_grad: Optional[Tensor] = None
-    value: Tensor = field(init=False)  # the leaf's data as a plain tensor (no interception)
-
-    def __post_init__(self) -> None:
-        with torch._C.DisableTorchFunctionSubclass():
-            self.value = self.leaf.detach()
 
     @property
     def name(self) -> str:

@@ -260,8 +260,11 @@ def _params(args: Tuple[Any, ...], positions: Tuple[int, ...]) -> Tuple[List[Par
                 raise ValueError(f"clipped_grad: {namer(k)} is an nn.Parameter with "
                                  "requires_grad=False (frozen); leave it out of the differentiated "
                                  "argument (pass it in another, unbatched argument) or unfreeze it")
-            # See Note [Forward under vmap, backward outside it].
-            params.append(Param(len(params), functools.partial(namer, k), intercepted_leaf(leaf)))
+        with torch._C.DisableTorchFunctionSubclass():  # a plain tensor of any subclass
+            values = [leaf.detach() for leaf in leaves]
+        # See Note [Forward under vmap, backward outside it].
+        params += [Param(len(params) + k, functools.partial(namer, k), intercepted_leaf(value), value)
+                   for k, value in enumerate(values)]
         specs.append(spec)
     return params, specs
 
