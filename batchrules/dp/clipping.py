@@ -123,7 +123,8 @@ def _joint_groups(params: List[Param], kinds: Dict[Param, str],
             continue
         partners = p.uses[0].grad_partners
         weights = [_role(u, "weight") for u in partners]
-        if all(u.grad is not None and type(u).norms_include_bias and w is not None
+        # w.uses == [u]: u reached the loss (the backward keeps only such uses) and is w's only one
+        if all(type(u).norms_include_bias and w is not None
                and kinds.get(w) == type(u).kind and w.uses == [u]
                and _role(u, "bias") == fused.get(w) for u, w in zip(partners, weights)):
             groups.update((w, partners) for w in weights)  # type: ignore[misc]
