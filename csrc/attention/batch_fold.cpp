@@ -77,12 +77,12 @@ Tensor fold_batch(const Tensor& t, std::optional<int64_t> bdim, const c10::SymIn
   return with_contiguous_rows(flatten_front(front));
 }
 
-Tensor unfold_batch(const Tensor& t, const c10::SymInt& n) {
+Tensor unfold_batch(const Tensor& t, const c10::SymInt& n, const c10::SymInt& batch) {
   if (!t.defined()) {
     return t;
   }
   c10::SymDimVector sizes(t.sym_sizes().begin(), t.sym_sizes().end());
-  sizes[0] = t.sym_size(0) / n;
+  sizes[0] = batch;
   sizes.insert(sizes.begin(), n);
   return t.view_symint(sizes);
 }

@@ -14,8 +14,9 @@ namespace batchrules {
 // is repeated N times, each copy laid out as the operand is.
 Tensor fold_batch(const Tensor& t, std::optional<int64_t> bdim, const c10::SymInt& n);
 
-// The inverse for a kernel's result: [N*B, ...] -> [N, B, ...] (a view).
-Tensor unfold_batch(const Tensor& t, const c10::SymInt& n);
+// The inverse for a kernel's result: [N*B, ...] -> [N, B, ...] (a view). B is
+// the example's batch, not N*B / N: N may be 0.
+Tensor unfold_batch(const Tensor& t, const c10::SymInt& n, const c10::SymInt& batch);
 
 // How a folded mask's batch dim meets the kernel.
 enum class MaskBatch {

@@ -32,6 +32,7 @@ std::optional<Tensor> example(const std::optional<Tensor>& t, Bdim bdim, int64_t
 template <size_t K, class Call>
 std::array<std::tuple<Tensor, Bdim>, K> per_example(const c10::SymInt& n, Call call) {
   const int64_t count = n.guard_int(__FILE__, __LINE__);
+  TORCH_INTERNAL_ASSERT(count > 0, "per_example needs at least one example");
   std::array<std::vector<Tensor>, K> parts;
   for (int64_t i = 0; i < count; ++i) {
     const auto grads = call(i);
@@ -49,8 +50,9 @@ std::array<std::tuple<Tensor, Bdim>, K> per_example(const c10::SymInt& n, Call c
   return stacked;
 }
 
-bool replays_dropout_per_example(double dropout_p, Bdim logsumexp_bdim) {
-  return dropout_p > 0 && !logsumexp_bdim.has_value();
+// An empty batch has no mask to replay: its folded call is empty too.
+bool replays_dropout_per_example(double dropout_p, Bdim logsumexp_bdim, const c10::SymInt& n) {
+  return dropout_p > 0 && !logsumexp_bdim.has_value() && n != 0;
 }
 
 }  // namespace
@@ -63,7 +65,7 @@ BatchedTriple flash_attention_backward_batch_rule(
     double dropout_p, bool is_causal, const Tensor& philox_seed, const Tensor& philox_offset,
     std::optional<double> scale) {
   constexpr const char* op = "aten._scaled_dot_product_flash_attention_backward";
-  check_attention_operands(
+  const c10::SymInt batch = check_attention_operands(
       op, {{"query", query, query_bdim, 4}, {"key", key, key_bdim, 4},
            {"value", value, value_bdim, 4}, {"grad_out", grad_out, grad_out_bdim, 4},
            {"out", out, out_bdim, 4}, {"logsumexp", logsumexp, logsumexp_bdim, 3}});
@@ -79,7 +81,7 @@ BatchedTriple flash_attention_backward_batch_rule(
         g, q, k, v, o, lse, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
         philox_seed, philox_offset, scale);
   };
-  if (replays_dropout_per_example(dropout_p, logsumexp_bdim)) {
+  if (replays_dropout_per_example(dropout_p, logsumexp_bdim, n)) {
     const auto g = per_example<3>(n, [&](int64_t i) {
       return call(example(grad_out, grad_out_bdim, i), example(query, query_bdim, i),
                   example(key, key_bdim, i), example(value, value_bdim, i),
@@ -92,7 +94,8 @@ BatchedTriple flash_attention_backward_batch_rule(
       call(fold_batch(grad_out, grad_out_bdim, n), fold_batch(query, query_bdim, n),
            fold_batch(key, key_bdim, n), fold_batch(value, value_bdim, n),
            fold_batch(out, out_bdim, n), fold_batch(logsumexp, logsumexp_bdim, n));
-  return {unfold_batch(gq, n), 0, unfold_batch(gk, n), 0, unfold_batch(gv, n), 0};
+  return {unfold_batch(gq, n, batch), 0, unfold_batch(gk, n, batch), 0,
+          unfold_batch(gv, n, batch), 0};
 }
 
 BatchedQuad efficient_attention_backward_batch_rule(
@@ -123,7 +126,7 @@ BatchedQuad efficient_attention_backward_batch_rule(
         g, q, k, v, b.value_or(Tensor()), o, lse, philox_seed, philox_offset, dropout_p,
         grad_input_mask, is_causal, scale);
   };
-  if (replays_dropout_per_example(dropout_p, logsumexp_bdim)) {
+  if (replays_dropout_per_example(dropout_p, logsumexp_bdim, n)) {
     const auto g = per_example<4>(n, [&](int64_t i) {
       return call(example(grad_out, grad_out_bdim, i), example(query, query_bdim, i),
                   example(key, key_bdim, i), example(value, value_bdim, i),
@@ -142,7 +145,7 @@ BatchedQuad efficient_attention_backward_batch_rule(
            fold_batch(key, key_bdim, n), fold_batch(value, value_bdim, n), folded_bias,
            fold_batch(out, out_bdim, n), fold_batch(logsumexp, logsumexp_bdim, n));
   const auto unfolded = [&](const Tensor& t) -> std::tuple<Tensor, Bdim> {
-    return t.defined() ? std::tuple<Tensor, Bdim>{unfold_batch(t, n), 0}
+    return t.defined() ? std::tuple<Tensor, Bdim>{unfold_batch(t, n, batch), 0}
                        : std::tuple<Tensor, Bdim>{t, std::nullopt};
   };
   return std::tuple_cat(unfolded(gq), unfolded(gk), unfolded(gv), unfolded(gb));
@@ -176,7 +179,7 @@ BatchedTriple cudnn_attention_backward_batch_rule(
         g, q, k, v, o, lse, philox_seed, philox_offset, b.value_or(Tensor()), cum_seq_q,
         cum_seq_k, max_q, max_k, dropout_p, is_causal, scale);
   };
-  if (replays_dropout_per_example(dropout_p, logsumexp_bdim)) {
+  if (replays_dropout_per_example(dropout_p, logsumexp_bdim, n)) {
     const auto g = per_example<3>(n, [&](int64_t i) {
       return call(example(grad_out, grad_out_bdim, i), example(query, query_bdim, i),
                   example(key, key_bdim, i), example(value, value_bdim, i),
@@ -191,7 +194,8 @@ BatchedTriple cudnn_attention_backward_batch_rule(
            fold_batch(key, key_bdim, n), fold_batch(value, value_bdim, n),
            fold_batch(out, out_bdim, n), fold_batch(logsumexp, logsumexp_bdim, n),
            fold_mask(bias, attn_bias_bdim, n, batch, MaskBatch::kFull));
-  return {unfold_batch(gq, n), 0, unfold_batch(gk, n), 0, unfold_batch(gv, n), 0};
+  return {unfold_batch(gq, n, batch), 0, unfold_batch(gk, n, batch), 0,
+          unfold_batch(gv, n, batch), 0};
 }
 
 }  // namespace batchrules

@@ -20,11 +20,11 @@ namespace {
 // The CUDA kernels take the logsumexp (and debug mask) of an empty batch as
 // an empty tensor; a result with a batch dim unfolds, others stay shared.
 std::tuple<Tensor, Bdim> unfold_if_batched(const Tensor& t, bool has_batch,
-                                           const c10::SymInt& n) {
+                                           const c10::SymInt& n, const c10::SymInt& batch) {
   if (!t.defined() || !has_batch || t.dim() == 0) {
     return {t, std::nullopt};
   }
-  return {unfold_batch(t, n), 0};
+  return {unfold_batch(t, n, batch), 0};
 }
 
 }  // namespace
@@ -55,7 +55,8 @@ BatchedQuad efficient_attention_batch_rule(const Tensor& query, Bdim query_bdim,
       fold_batch(query, query_bdim, n), fold_batch(key, key_bdim, n),
       fold_batch(value, value_bdim, n), bias, compute_log_sumexp, dropout_p, is_causal, scale);
   // philox seed and offset are one pair for the whole folded call.
-  return {unfold_batch(out, n), 0, unfold_batch(lse, n), 0, seed, std::nullopt, offset,
+  return {unfold_batch(out, n, batch), 0, unfold_batch(lse, n, batch), 0, seed, std::nullopt,
+          offset,
           std::nullopt};
 }
 
@@ -84,10 +85,10 @@ CudnnForwardResult cudnn_attention_batch_rule(const Tensor& query, Bdim query_bd
           fold_batch(value, value_bdim, n),
           fold_mask(attn_bias, attn_bias_bdim, n, batch, MaskBatch::kFull), compute_log_sumexp,
           dropout_p, is_causal, return_debug_mask, scale);
-  auto [lse_out, lse_bdim] = unfold_if_batched(lse, compute_log_sumexp, n);
-  auto [debug_out, debug_bdim] = unfold_if_batched(debug, return_debug_mask, n);
+  auto [lse_out, lse_bdim] = unfold_if_batched(lse, compute_log_sumexp, n, batch);
+  auto [debug_out, debug_bdim] = unfold_if_batched(debug, return_debug_mask, n, batch);
   // cum_seq_q/k are empty for dense inputs; max_q/max_k are an example's.
-  return {unfold_batch(out, n), 0, lse_out, lse_bdim, cum_q, std::nullopt, cum_k, std::nullopt,
+  return {unfold_batch(out, n, batch), 0, lse_out, lse_bdim, cum_q, std::nullopt, cum_k, std::nullopt,
           max_q, max_k, seed, std::nullopt, offset, std::nullopt, debug_out, debug_bdim};
 }
 

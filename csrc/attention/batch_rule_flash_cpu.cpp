@@ -37,7 +37,7 @@ BatchedPair flash_attention_cpu_batch_rule(const Tensor& query, Bdim query_bdim,
       fold_batch(query, query_bdim, n), fold_batch(key, key_bdim, n),
       fold_batch(value, value_bdim, n), dropout_p, is_causal,
       fold_mask(attn_mask, attn_mask_bdim, n, batch, MaskBatch::kBroadcast), scale);
-  return {unfold_batch(out, n), 0, unfold_batch(lse, n), 0};
+  return {unfold_batch(out, n, batch), 0, unfold_batch(lse, n, batch), 0};
 }
 
 BatchedTriple flash_attention_cpu_backward_batch_rule(
@@ -68,7 +68,8 @@ BatchedTriple flash_attention_cpu_backward_batch_rule(
       fold_batch(key, key_bdim, n), fold_batch(value, value_bdim, n),
       fold_batch(out, out_bdim, n), fold_batch(logsumexp, logsumexp_bdim, n), dropout_p,
       is_causal, fold_mask(attn_mask, attn_mask_bdim, n, batch, MaskBatch::kBroadcast), scale);
-  return {unfold_batch(gq, n), 0, unfold_batch(gk, n), 0, unfold_batch(gv, n), 0};
+  return {unfold_batch(gq, n, batch), 0, unfold_batch(gk, n, batch), 0,
+          unfold_batch(gv, n, batch), 0};
 }
 
 }  // namespace batchrules

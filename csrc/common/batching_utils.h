@@ -180,6 +180,22 @@ inline bool batched_at_level_through_wrappers(const Tensor& t, int64_t level) {
   return false;
 }
 
+// The tensor below every BatchedTensor and grad wrapper of `t`: its elements
+// are all the examples' (none when some vmap size is 0).
+inline Tensor physical_tensor(const Tensor& t) {
+  Tensor cur = t;
+  while (cur.defined()) {
+    if (const auto* batched = at::functorch::maybeGetBatchedImpl(cur)) {
+      cur = batched->value();
+    } else if (const auto* wrapper = at::functorch::maybeGetTensorWrapper(cur)) {
+      cur = wrapper->value();
+    } else {
+      break;
+    }
+  }
+  return cur;
+}
+
 // Whether `t` is being traced for torch.compile (AOTAutograd's functional and
 // fake tensors carry the Python key, under its dispatch modes): rules then
 // keep GEMMs and adds apart as functorch emits them (Note [GEMM and bias

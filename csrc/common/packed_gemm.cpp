@@ -79,6 +79,7 @@ PackedRhs PackedRhs::pack(const at::Tensor& b, int64_t rows, int64_t uses) {
 }
 
 void PackedRhs::mm_out(const at::Tensor& a, const at::Tensor& out, bool accumulate) const {
+  TORCH_INTERNAL_ASSERT(member_bytes_ > 0, "mm_out of an unpacked PackedRhs");
   const int64_t E = packed_.numel() / member_bytes_;
   TORCH_INTERNAL_ASSERT(a.dim() == 3 && out.dim() == 3 && a.size(0) == E && out.size(0) == E &&
                         a.size(1) == rows_ && out.size(1) == rows_ && a.size(2) == k_ &&

@@ -26,7 +26,12 @@ Tensor nll_backward_kernel(NllOp op, const Tensor& grad_output, const Tensor& se
 
 // A single element of `t` (a view): what the kernel requires as total_weight,
 // which it does not use for reduction 'none'.
+// The kernel's total_weight: one element, unread with reduction 'none' (an
+// empty batch has none to take).
 Tensor first_element(const Tensor& t) {
+  if (t.sym_numel() == 0) {
+    return t.new_zeros({});
+  }
   Tensor e = t;
   while (e.dim() > 0) {
     e = e.select(0, 0);

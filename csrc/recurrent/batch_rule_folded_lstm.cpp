@@ -35,6 +35,7 @@ std::array<BatchedResult, 3> lstm_folded_batch_rule(const Tensor& input, int64_t
                                                     bool bidirectional, bool batch_first) {
   const int64_t batch = input.size(input_bdim);
   const int64_t rows = batch_first ? 0 : 1;
+  const int64_t n = logical_sizes(input, input_bdim)[rows].expect_int();  // an example's N
   // T,B,N,I -> T,B*N,I (B,N,T,I -> B*N,T,I batch_first); L*D,(B,)N,H ->
   // L*D,B*N,H, dense: oneDNN reads a state expanded over the samples (stride
   // 0) ~12% slower than a dense one.
@@ -43,9 +44,9 @@ std::array<BatchedResult, 3> lstm_folded_batch_rule(const Tensor& input, int64_t
                {fold_rows(h0, h0_bdim, 1, batch), fold_rows(c0, c0_bdim, 1, batch)}, params,
                has_biases, num_layers, dropout, train, bidirectional, batch_first);
   // T,B*N,D*H -> T,B,N,D*H; L*D,B*N,H -> L*D,B,N,H
-  return {BatchedResult{unfold_rows(output, rows, batch), rows},
-          BatchedResult{unfold_rows(h_n, 1, batch), 1},
-          BatchedResult{unfold_rows(c_n, 1, batch), 1}};
+  return {BatchedResult{unfold_rows(output, rows, batch, n), rows},
+          BatchedResult{unfold_rows(h_n, 1, batch, n), 1},
+          BatchedResult{unfold_rows(c_n, 1, batch, n), 1}};
 }
 
 std::optional<std::tuple<Tensor, Tensor, Tensor>> lstm_over_folded_rows(

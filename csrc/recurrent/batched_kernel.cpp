@@ -140,9 +140,9 @@ FusedLstmGradsResult fused_lstm_layer_backward_batched(
       optional_at(grad_c_n, level)};
   const int64_t batch = vmap_size_of(ops);
   // See Note [The fused layer's workspace list].
-  const int64_t part = per_member ? static_cast<int64_t>(workspace.size()) / batch
-                                  : static_cast<int64_t>(workspace.size());
-  TORCH_CHECK(!per_member || part * batch == static_cast<int64_t>(workspace.size()),
+  const int64_t part = per_member && batch > 0 ? static_cast<int64_t>(workspace.size()) / batch
+                                              : static_cast<int64_t>(workspace.size());
+  TORCH_CHECK(!per_member || batch == 0 || part * batch == static_cast<int64_t>(workspace.size()),
               "batchrules.fused_lstm_layer_backward: expected the workspace list of the forward, "
               "a multiple of the ", batch, " members' (batched weights), but got ",
               workspace.size(), " entries");

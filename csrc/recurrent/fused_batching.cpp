@@ -20,22 +20,23 @@ Tensor fold_rows(const Tensor& t, std::optional<int64_t> bdim, int64_t pos, int6
   return t.defined() ? batch_dim_at(t, bdim, pos, batch).flatten(pos, pos + 1).contiguous() : t;
 }
 
-Tensor unfold_rows(const Tensor& t, int64_t pos, int64_t batch) {
-  return t.defined() ? t.unflatten(pos, {batch, t.size(pos) / batch}) : t;
+Tensor unfold_rows(const Tensor& t, int64_t pos, int64_t batch, int64_t rows) {
+  return t.defined() ? t.unflatten(pos, {batch, rows}) : t;
 }
 
 std::vector<Tensor> per_example(
     const std::vector<BatchedResult>& operands, int64_t batch,
     const std::function<std::vector<Tensor>(const std::vector<Tensor>&, int64_t)>& call) {
-  TORCH_CHECK(batch > 0, "batchrules: oneDNN's LSTM layer under vmap needs at least one example, "
-              "but the vmap size is 0");
+  // An empty batch: one example of zeros gives the results' shapes.
+  const int64_t calls = std::max<int64_t>(batch, 1);
   std::vector<std::vector<Tensor>> slices;
-  for (int64_t b = 0; b < batch; ++b) {
+  for (int64_t b = 0; b < calls; ++b) {
     std::vector<Tensor> args;
     for (const auto& [t, bdim] : operands) {
-      args.push_back(!t.defined()         ? t
-                     : bdim.has_value() ? t.select(*bdim, b).contiguous()
-                                        : t.contiguous());
+      args.push_back(!t.defined()          ? t
+                     : !bdim.has_value()   ? t.contiguous()
+                     : batch == 0          ? at::zeros_symint(logical_sizes(t, bdim), t.options())
+                                           : t.select(*bdim, b).contiguous());
     }
     auto outs = call(args, b);
     if (slices.empty()) {
@@ -47,7 +48,8 @@ std::vector<Tensor> per_example(
   }
   std::vector<Tensor> stacked;
   for (const auto& s : slices) {
-    stacked.push_back(!s.empty() && s.front().defined() ? at::stack(s) : Tensor());
+    stacked.push_back(!s.empty() && s.front().defined() ? at::stack(s).narrow(0, 0, batch)
+                                                        : Tensor());
   }
   return stacked;
 }
@@ -70,9 +72,13 @@ BatchedLstmLayer batched_lstm_layer(
     folded[0] = fold_rows(std::get<0>(operands[0]), std::get<1>(operands[0]), 1, batch);
     folded[5] = fold_rows(std::get<0>(operands[5]), std::get<1>(operands[5]), 0, batch);
     folded[6] = fold_rows(std::get<0>(operands[6]), std::get<1>(operands[6]), 0, batch);
+    const int64_t rows = logical_sizes(std::get<0>(operands[0]), std::get<1>(operands[0]))[1]
+                             .expect_int();
     LstmLayerCall r = call(folded);
-    return {wrap(unfold_rows(r.output, 1, batch), 1), wrap(unfold_rows(r.h_n, 0, batch), 0),
-            wrap(unfold_rows(r.c_n, 0, batch), 0), std::move(r.workspaces), /*folded=*/true};
+    return {wrap(unfold_rows(r.output, 1, batch, rows), 1),
+            wrap(unfold_rows(r.h_n, 0, batch, rows), 0),
+            wrap(unfold_rows(r.c_n, 0, batch, rows), 0), std::move(r.workspaces),
+            /*folded=*/true};
   }
   std::vector<Tensor> workspaces;
   const auto outs = per_example(operands, batch, [&](const std::vector<Tensor>& args, int64_t) {

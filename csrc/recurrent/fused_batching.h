@@ -20,12 +20,15 @@ int64_t vmap_size_of(const std::vector<BatchedResult>& operands);
 // (an unbatched operand is expanded to B first).
 Tensor fold_rows(const Tensor& t, std::optional<int64_t> bdim, int64_t pos, int64_t batch);
 
-// The inverse for a result: dim pos B*rows -> B, rows (its bdim is pos).
-Tensor unfold_rows(const Tensor& t, int64_t pos, int64_t batch);
+// The inverse for a result: dim pos B*rows -> B, rows (its bdim is pos);
+// `rows` is an example's, not B*rows / B: B may be 0.
+Tensor unfold_rows(const Tensor& t, int64_t pos, int64_t batch, int64_t rows);
 
 // Calls `call` once per b in [0, batch) with each batched operand's slice b
 // (unbatched ones as they are), all contiguous, and b; returns each output's
 // slices stacked along a new dim 0 (an undefined output stays undefined).
+// An empty batch calls it once on an example of zeros, for the results'
+// per-example shapes and dtypes, and returns them with 0 examples.
 std::vector<Tensor> per_example(
     const std::vector<BatchedResult>& operands, int64_t batch,
     const std::function<std::vector<Tensor>(const std::vector<Tensor>&, int64_t)>& call);

@@ -54,7 +54,8 @@ bool small_members(at::TensorList hx) {
 
 bool onednn_runs_it(const Tensor& input, at::TensorList hx, at::TensorList params) {
   if (!at::globalContext().userEnabledMkldnn() || autocast_enabled_for(input) ||
-      input.numel() == 0 || hx[0].size(-1) != hx[1].size(-1)) {
+      physical_tensor(input).numel() == 0 || physical_tensor(hx[0]).numel() == 0 ||
+      hx[0].size(-1) != hx[1].size(-1)) {
     return false;
   }
   const auto cpu_float = [](const Tensor& t) {
