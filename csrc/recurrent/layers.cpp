@@ -68,27 +68,40 @@ RecurrenceResult onednn_lstm_layer(const Tensor& x, const Tensor& h0, const Tens
 
 void check_rnn_operands(const Tensor& input, const Tensor& hx, const Tensor& cx,
                         at::TensorList params, const RnnOptions& o) {
+  // aten's own messages where aten checks the same (RNN.cpp), so that routing
+  // does not change what a user searches for; ours where aten checks nothing.
   const char* name = mode_name(o.mode);
+  TORCH_CHECK_INDEX(input.dim() >= 3, "Dimension out of range (expected to be in range of [",
+                    -input.dim(), ", ", input.dim() - 1, "], but got 2)");
   TORCH_CHECK(input.dim() == 3, name, ": expected input of shape [T, N, I] ([N, T, I] with ",
               "batch_first), but got ", input.sizes());
+  TORCH_CHECK(input.size(o.batch_first ? 1 : 0) > 0,
+              "Expected sequence length to be larger than 0 in RNN");
   const bool lstm = o.mode == RnnMode::Lstm;
-  const bool projected = lstm && hx.size(-1) != cx.size(-1);
   const int64_t directions = o.bidirectional ? 2 : 1;
-  const int64_t per_layer = 2 + 2 * o.has_biases + projected;
-  TORCH_CHECK(static_cast<int64_t>(params.size()) == o.num_layers * directions * per_layer, name,
-              ": expected ", o.num_layers * directions * per_layer, " parameters for ",
-              o.num_layers, " layers and ", directions, " directions, but got ", params.size());
+  const int64_t plain = 2 + 2 * o.has_biases;
+  const int64_t layers = o.num_layers * directions;
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * plain ||
+                  (lstm && static_cast<int64_t>(params.size()) == layers * (plain + 1)),
+              "got an incorrect number of RNN parameters (expected ", layers * plain, " for ",
+              o.num_layers, " layers and ", directions, " directions, but got ", params.size(),
+              ")");
+  const bool projected = lstm && hx.size(-1) != cx.size(-1);
+  const int64_t per_layer = plain + projected;
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * per_layer, name, ": expected ",
+              layers * per_layer, " parameters for ", o.num_layers, " layers and ", directions,
+              " directions", projected ? " with projections" : "", ", but got ", params.size());
   const int64_t batch = input.size(o.batch_first ? 0 : 1), state = params[1].size(1);
   TORCH_CHECK(input.size(2) == params[0].size(1), name, ": expected input with ",
               params[0].size(1), " features, but got input of shape ", input.sizes());
-  TORCH_CHECK(hx.sizes() == at::IntArrayRef({o.num_layers * directions, batch, state}), name,
-              ": expected hidden state of shape [", o.num_layers * directions, ", ", batch, ", ",
-              state, "], but got ", hx.sizes());
+  TORCH_CHECK(hx.sizes() == at::IntArrayRef({layers, batch, state}), name,
+              ": expected hidden state of shape [", layers, ", ", batch, ", ", state,
+              "], but got ", hx.sizes());
   if (lstm) {
     const int64_t hidden = params[1].size(0) / 4;
-    TORCH_CHECK(cx.sizes() == at::IntArrayRef({o.num_layers * directions, batch, hidden}), name,
-                ": expected cell state of shape [", o.num_layers * directions, ", ", batch, ", ",
-                hidden, "], but got ", cx.sizes());
+    TORCH_CHECK(cx.sizes() == at::IntArrayRef({layers, batch, hidden}), name,
+                ": expected cell state of shape [", layers, ", ", batch, ", ", hidden,
+                "], but got ", cx.sizes());
   }
 }
 
@@ -131,12 +144,31 @@ std::tuple<Tensor, Tensor, Tensor> run_rnn(const Tensor& input, const Tensor& hx
 std::tuple<Tensor, Tensor> run_cell(const Tensor& input, const Tensor& hx, const Tensor& cx,
                                     const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
                                     const OptTensor& b_hh, RnnMode mode) {
-  const char* name = mode_name(mode);
-  TORCH_CHECK(input.dim() == 2 && input.size(1) == w_ih.size(1), name,
-              "_cell: expected input of shape [N, ", w_ih.size(1), "], but got ", input.sizes());
-  TORCH_CHECK(hx.dim() == 2 && hx.size(0) == input.size(0) && hx.size(1) == w_hh.size(1), name,
-              "_cell: expected hidden state of shape [", input.size(0), ", ", w_hh.size(1),
-              "], but got ", hx.sizes());
+  // aten's checks and messages (RNN.cpp's check_rnn_cell_forward_*).
+  TORCH_CHECK(input.dim() == 2, mode_name(mode), "_cell: expected input of shape [N, ",
+              w_ih.size(1), "], but got ", input.sizes());
+  TORCH_CHECK(input.size(1) == w_ih.size(1), "input has inconsistent input_size: got ",
+              input.size(1), " expected ", w_ih.size(1));
+  const auto check_hidden = [&](const Tensor& h, int64_t label) {
+    TORCH_CHECK(h.dim() == 2, mode_name(mode), "_cell: expected hidden", label,
+                " of shape [N, ", w_hh.size(1), "], but got ", h.sizes());
+    TORCH_CHECK(input.size(0) == h.size(0), "Input batch size ", input.size(0),
+                " doesn't match hidden", label, " batch size ", h.size(0));
+    TORCH_CHECK(h.size(1) == w_hh.size(1), "hidden", label,
+                " has inconsistent hidden_size: got ", h.size(1), ", expected ", w_hh.size(1));
+  };
+  check_hidden(hx, 0);
+  if (cx.defined()) {
+    check_hidden(cx, 1);
+  }
+  if (!autocast_enabled_for(input)) {
+    // What aten's first GEMM of each (input x w_ih, h x w_hh) says.
+    for (const auto& [a, w] : {std::pair<const Tensor&, const Tensor&>{input, w_ih}, {hx, w_hh}}) {
+      TORCH_CHECK(a.scalar_type() == w.scalar_type(),
+                  "mat1 and mat2 must have the same dtype, but got ", a.scalar_type(), " and ",
+                  w.scalar_type());
+    }
+  }
   // N,I -> 1,N,I: one step
   auto [out, hn, cn, ws] = layer_direction(input.unsqueeze(0), hx, cx, w_ih, w_hh, b_ih, b_hh,
                                            std::nullopt, mode, false);

@@ -67,17 +67,42 @@ std::tuple<Tensor, Tensor> routed_rnn(const Tensor& input, const Tensor& hx, Ten
   return {output, h_n};
 }
 
+// A cell's dtypes under autocast are eager's: where aten has a policy for
+// the cell on the device (lower_precision_fp, CUDA's lists) every operand is
+// cast, and so is an RNN cell's everywhere, as its composite is two linears
+// and a pointwise op in their dtype; GRU's and LSTM's composites without a
+// policy mix the linears' dtype with the state's (layers.cpp).
+template <RnnMode mode>
+bool cell_in_lower_precision(const Tensor& input) {
+  static const AtenAutocasts policy(mode == RnnMode::Lstm      ? "aten::lstm_cell"
+                                    : mode == RnnMode::Gru     ? "aten::gru_cell"
+                                    : mode == RnnMode::RnnTanh ? "aten::rnn_tanh_cell"
+                                                               : "aten::rnn_relu_cell",
+                                    "");
+  return policy.applies_to(input) ||
+         (autocast_enabled_for(input) && (mode == RnnMode::RnnTanh || mode == RnnMode::RnnRelu));
+}
+
 std::tuple<Tensor, Tensor> routed_lstm_cell(const Tensor& input, TensorList hx,
                                             const Tensor& w_ih, const Tensor& w_hh,
                                             const OptTensor& b_ih, const OptTensor& b_hh) {
-  TORCH_CHECK(hx.size() == 2, "lstm_cell: expected two hidden states (h, c), but got ",
-              hx.size());
+  TORCH_CHECK(hx.size() == 2, "lstm_cell expects two hidden states");  // aten's message
+  if (cell_in_lower_precision<RnnMode::Lstm>(input)) {
+    const LowerPrecisionCast cast(input.device().type());
+    return run_cell(cast(input), cast(hx[0]), cast(hx[1]), cast(w_ih), cast(w_hh), cast(b_ih),
+                    cast(b_hh), RnnMode::Lstm);
+  }
   return run_cell(input, hx[0], hx[1], w_ih, w_hh, b_ih, b_hh, RnnMode::Lstm);
 }
 
 template <RnnMode mode>
 Tensor routed_cell(const Tensor& input, const Tensor& hx, const Tensor& w_ih, const Tensor& w_hh,
                    const OptTensor& b_ih, const OptTensor& b_hh) {
+  if (cell_in_lower_precision<mode>(input)) {
+    const LowerPrecisionCast cast(input.device().type());
+    return std::get<0>(run_cell(cast(input), cast(hx), Tensor(), cast(w_ih), cast(w_hh),
+                                cast(b_ih), cast(b_hh), mode));
+  }
   return std::get<0>(run_cell(input, hx, Tensor(), w_ih, w_hh, b_ih, b_hh, mode));
 }
 
