@@ -14,9 +14,9 @@
 //    float32 input with a bfloat16 output gradient) gets aten's behaviour.
 //  - batchrules::silu, mish (and their backwards): none, as aten::silu and
 //    aten::mish are on no autocast list: they run in their input's dtype.
-//  - the losses: routing only adds FuncTorchBatched kernels for aten's own
-//    loss ops (Note [Routing aten ops only while transforms are active]), so
-//    aten's fp32 kernels for them run as in stock torch.func.
+//  - the losses: fp32 (and log_softmax/softmax fp32_set_opt_dtype), which
+//    functorch's decompositions skip under vmap; the routes apply them (Note
+//    [Autocast policies of the losses under vmap], losses/autocast_kernel.cpp).
 //  - aten::scaled_dot_product_attention: lower_precision_fp, which its route
 //    (on FuncTorchDynamicLayerFrontMode, above aten's Autocast kernel) applies
 //    itself before choosing a kernel.
@@ -37,6 +37,7 @@
 #pragma once
 
 #include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <optional>
@@ -49,16 +50,35 @@ inline bool autocast_enabled_for(const at::Tensor& t) {
   return at::autocast::is_autocast_available(device) && at::autocast::is_autocast_enabled(device);
 }
 
-// While alive: the autocast key of one device type excluded, and cast() as
-// CastPolicy::lower_precision_fp casts (Note [Autocast policy of batchrules'
-// operators]).
-class LowerPrecisionCast {
+// Whether aten has a kernel for one of its ops at a device's autocast key:
+// autocast's lists differ between devices (CPU casts cross_entropy_loss to
+// float32, CUDA log_softmax and the RNN cells) and between releases, so a
+// route that stands in for an aten op asks the dispatcher, once per device.
+class AtenAutocasts {
  public:
-  explicit LowerPrecisionCast(c10::DeviceType device)
-      : device_(device),
-        dtype_(at::autocast::get_lower_precision_fp_from_device_type(device)),
-        no_autocast_(at::autocast::get_autocast_dispatch_key_from_device_type(device)) {}
+  AtenAutocasts(const char* op, const char* overload)
+      : cpu_(registered(op, overload, c10::DispatchKey::AutocastCPU)),
+        cuda_(registered(op, overload, c10::DispatchKey::AutocastCUDA)) {}
 
+  // On for `t`'s device, and aten's op has a policy there.
+  bool applies_to(const at::Tensor& t) const {
+    return autocast_enabled_for(t) && (t.is_cuda() ? cuda_ : t.is_cpu() && cpu_);
+  }
+
+ private:
+  static bool registered(const char* op, const char* overload, c10::DispatchKey key) {
+    const auto handle = c10::Dispatcher::singleton().findSchema({op, overload});
+    return handle.has_value() && handle->hasKernelForDispatchKey(key);
+  }
+
+  bool cpu_, cuda_;
+};
+
+// While alive: the autocast key of one device type excluded, and cast() as
+// ATen's cached_cast casts to `dtype` (floating-point tensors other than
+// float64, through ATen's weight cache).
+class AutocastCast {
+ public:
   at::Tensor operator()(const at::Tensor& t) const {
     return at::autocast::cached_cast(dtype_, t, device_);
   }
@@ -66,10 +86,29 @@ class LowerPrecisionCast {
     return at::autocast::cached_cast(dtype_, t, device_);
   }
 
+ protected:
+  AutocastCast(c10::DeviceType device, at::ScalarType dtype)
+      : device_(device),
+        dtype_(dtype),
+        no_autocast_(at::autocast::get_autocast_dispatch_key_from_device_type(device)) {}
+
  private:
   c10::DeviceType device_;
   at::ScalarType dtype_;
   c10::impl::ExcludeDispatchKeyGuard no_autocast_;
+};
+
+// CastPolicy::lower_precision_fp (Note [Autocast policy of batchrules' operators]).
+class LowerPrecisionCast : public AutocastCast {
+ public:
+  explicit LowerPrecisionCast(c10::DeviceType device)
+      : AutocastCast(device, at::autocast::get_lower_precision_fp_from_device_type(device)) {}
+};
+
+// CastPolicy::fp32 (and fp32_set_opt_dtype's key exclusion).
+class Fp32Cast : public AutocastCast {
+ public:
+  explicit Fp32Cast(c10::DeviceType device) : AutocastCast(device, at::kFloat) {}
 };
 
 }  // namespace batchrules

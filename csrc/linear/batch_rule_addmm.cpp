@@ -11,10 +11,10 @@
 // [1] or []), the batch folds into the rows instead:
 //   B,N,K -> B*N,K x K,M + self -> B*N,M -> B,N,M
 // one addmm, as eager runs it. Every other case runs functorch's
-// decomposition (addmm_batched, batched_kernel.cpp), and so do autocast
-// (the decomposition's float32 add promotes where eager addmm returns the
-// low precision: stock's dtypes are kept; Note [Autocast under vmap]) and
-// tracing for torch.compile (Note [GEMM and bias apart when traced]).
+// decomposition (addmm_batched, batched_kernel.cpp), and so does tracing for
+// torch.compile (Note [GEMM and bias apart when traced]). Under autocast the
+// operands are cast first, so that either path returns eager addmm's lower
+// precision (Note [Autocast under vmap]).
 #include "linear/batch_rules.h"
 
 #include <ATen/ATen.h>

@@ -56,7 +56,7 @@ TensorTriple linear_backward_batched(const Tensor& self, const Tensor& grad_outp
 // into its rows]. Sizes and dims here are the per-example (logical) ones.
 bool addmm_folds(const Tensor& self, const Tensor& mat1, const Tensor& mat2, int64_t level) {
   if (!batched_at(mat1, level) || any_batched_at(level, self, mat2) ||
-      autocast_enabled_for(mat1) || traced_for_compile(self) || traced_for_compile(mat1) ||
+      traced_for_compile(self) || traced_for_compile(mat1) ||
       traced_for_compile(mat2) || mat1.dim() != 2 || mat2.dim() != 2 ||
       mat1.sym_size(1) != mat2.sym_size(0) || self.scalar_type() != mat1.scalar_type() ||
       mat2.scalar_type() != mat1.scalar_type()) {
@@ -80,6 +80,11 @@ bool addmm_folds(const Tensor& self, const Tensor& mat1, const Tensor& mat2, int
 
 Tensor addmm_batched(const Tensor& self, const Tensor& mat1, const Tensor& mat2,
                      const c10::Scalar& beta, const c10::Scalar& alpha) {
+  static const AtenAutocasts policy("aten::addmm", "");
+  if (policy.applies_to(mat1)) {  // See Note [Autocast under vmap].
+    const LowerPrecisionCast cast(mat1.device().type());
+    return at::addmm(cast(self), cast(mat1), cast(mat2), beta, alpha);
+  }
   const auto layer = at::functorch::maybeCurrentDynamicLayer();
   if (layer.has_value() && addmm_folds(self, mat1, mat2, layer->layerId())) {
     const BatchedKernelScope scope("aten::addmm");

@@ -1,6 +1,6 @@
 // vmap batching rules for the aten loss ops, in functorch's style: physical
 // tensors with their optional batch dim in, (result, bdim) out. They replace
-// functorch's Python decompositions (and its huber_loss rule) while routing
+// functorch's Python decompositions (and its element-wise loss rules) while routing
 // is on (batched_kernel.cpp, registered by routes.cpp).
 #pragma once
 
@@ -32,13 +32,19 @@ BatchedResult nll_loss_backward_batch_rule(
     std::optional<int64_t> weight_bdim, int64_t reduction, const c10::SymInt& ignore_index,
     const Tensor& total_weight, std::optional<int64_t> total_weight_bdim);
 
-// aten::huber_loss(self, target, reduction, delta).
-BatchedResult huber_loss_batch_rule(const Tensor& self, std::optional<int64_t> self_bdim,
-                                    const Tensor& target, std::optional<int64_t> target_bdim,
-                                    int64_t reduction, double delta);
-
-// The elementwise regression losses whose backward functorch decomposes.
+// The elementwise regression losses.
 enum class PointwiseLoss { Mse, SmoothL1, Huber };
+
+// aten::mse_loss(self, target, reduction), smooth_l1_loss(..., beta),
+// huber_loss(..., delta) on unbatched operands: `param` is beta or delta.
+Tensor pointwise_loss(PointwiseLoss loss, const Tensor& self, const Tensor& target,
+                      int64_t reduction, double param);
+
+// The same ops batched.
+BatchedResult pointwise_loss_batch_rule(PointwiseLoss loss, const Tensor& self,
+                                        std::optional<int64_t> self_bdim, const Tensor& target,
+                                        std::optional<int64_t> target_bdim, int64_t reduction,
+                                        double param);
 
 // aten::mse_loss_backward(grad_output, self, target, reduction),
 // smooth_l1_loss_backward(..., beta), huber_loss_backward(..., delta): `param`

@@ -2,10 +2,13 @@
 // is batched at the current level.
 #include "losses/batched_kernel.h"
 
+#include "common/autocast.h"
 #include "common/vmap_plumbing.h"
 #include "losses/batch_rules.h"
 
 #include <ATen/ATen.h>
+
+#include <array>
 
 namespace batchrules {
 
@@ -32,6 +35,27 @@ Tensor pointwise_loss_backward_plumbing(PointwiseLoss loss, const char* name,
   auto [gi, gi_bdim] =
       pointwise_loss_backward_batch_rule(loss, g, g_bdim, x, x_bdim, t, t_bdim, reduction, param);
   return wrap_at(gi, gi_bdim, level);
+}
+
+// See Note [Autocast under vmap]: the losses' policy is fp32.
+Tensor pointwise_loss_plumbing(PointwiseLoss loss, const char* name, const Tensor& self,
+                               const Tensor& target, int64_t reduction, double param) {
+  static const std::array<AtenAutocasts, 3> policies = {
+      AtenAutocasts("aten::mse_loss", ""), AtenAutocasts("aten::smooth_l1_loss", ""),
+      AtenAutocasts("aten::huber_loss", "")};
+  if (policies[static_cast<size_t>(loss)].applies_to(self)) {
+    const Fp32Cast cast(self.device().type());
+    return pointwise_loss(loss, cast(self), cast(target), reduction, param);
+  }
+  const BatchedKernelScope scope(name);
+  const int64_t level = scope.level();
+  if (!any_batched_at(level, self, target)) {
+    return pointwise_loss(loss, self, target, reduction, param);
+  }
+  auto [x, x_bdim] = unwrap_at(self, level);
+  auto [t, t_bdim] = unwrap_at(target, level);
+  auto [out, out_bdim] = pointwise_loss_batch_rule(loss, x, x_bdim, t, t_bdim, reduction, param);
+  return wrap_at(out, out_bdim, level);
 }
 
 }  // namespace
@@ -92,17 +116,20 @@ template Tensor nll_loss_backward_batched<NllOp::Nll2d>(const Tensor&, const Ten
                                                         const std::optional<Tensor>&, int64_t,
                                                         c10::SymInt, const Tensor&);
 
+Tensor mse_loss_batched(const Tensor& self, const Tensor& target, int64_t reduction) {
+  return pointwise_loss_plumbing(PointwiseLoss::Mse, "mse_loss", self, target, reduction, 0.0);
+}
+
+Tensor smooth_l1_loss_batched(const Tensor& self, const Tensor& target, int64_t reduction,
+                              double beta) {
+  return pointwise_loss_plumbing(PointwiseLoss::SmoothL1, "smooth_l1_loss", self, target,
+                                 reduction, beta);
+}
+
 Tensor huber_loss_batched(const Tensor& self, const Tensor& target, int64_t reduction,
                           double delta) {
-  const BatchedKernelScope scope("huber_loss");
-  const int64_t level = scope.level();
-  if (!any_batched_at(level, self, target)) {
-    return at::huber_loss(self, target, reduction, delta);
-  }
-  auto [x, x_bdim] = unwrap_at(self, level);
-  auto [t, t_bdim] = unwrap_at(target, level);
-  auto [out, out_bdim] = huber_loss_batch_rule(x, x_bdim, t, t_bdim, reduction, delta);
-  return wrap_at(out, out_bdim, level);
+  return pointwise_loss_plumbing(PointwiseLoss::Huber, "huber_loss", self, target, reduction,
+                                 delta);
 }
 
 Tensor mse_loss_backward_batched(const Tensor& grad_output, const Tensor& self,
