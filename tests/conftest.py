@@ -3,6 +3,7 @@
 Markers (registered in pyproject.toml):
   slow                 a test that takes seconds; each one says why it is worth it.
                        ``-m "not slow"`` deselects them for a quick local loop.
+  thorough             a property test's longer run: skipped unless ``--thorough``.
   requires(*modules)   needs optional packages (Opacus, transformers, ...): skipped,
                        with the reason, when one of them cannot be imported. The
                        suite passes with the required dependencies alone.
@@ -77,7 +78,14 @@ def missing_module(name: str) -> Optional[str]:
     return _import_errors[name]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--thorough", action="store_true",
+                     help="run the property tests' longer runs (marker 'thorough')")
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("thorough") and not item.config.getoption("--thorough"):
+        pytest.skip("a longer run: pytest --thorough")
     for marker in item.iter_markers("requires"):
         for name in marker.args:
             why = missing_module(name)

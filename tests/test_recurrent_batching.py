@@ -117,7 +117,12 @@ def test_autocast_bf16_matches_eager_autocast(kind) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with routed():
             got = vmap(module)(x)
-        want = loop(module, (x,), (0,))
+        try:
+            want = loop(module, (x,), (0,))
+        except RuntimeError as e:
+            if "could not create a primitive descriptor" not in str(e):
+                raise
+            pytest.skip(f"eager's oneDNN {kind} layer has no bfloat16 kernel on this CPU: {e}")
     for g, w in zip(tree_leaves(got), tree_leaves(want)):
         assert g.dtype == w.dtype, f"{kind}: {g.dtype}, eager under autocast gives {w.dtype}"
     assert_close(got, want, atol=2e-2, rtol=2e-2)

@@ -45,8 +45,11 @@ def test_sample_major_input_gates(mode: str, dtype: torch.dtype) -> None:
         results[layout] = (out, ws, g_x)
     for t in results["sample-major"][:1] + results["sample-major"][2:]:
         assert is_sample_major(t), t.stride()
+    # Equal up to an ulp or two: aten's vectorized sigmoid and tanh may round
+    # an element in a vector's tail differently from one in a full lane.
+    ulps = 2 * torch.finfo(dtype).eps
     for want, got in zip(results["time-major"], results["sample-major"]):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got, want, rtol=ulps, atol=ulps)
 
 
 def test_opcheck_with_sample_major_input_gates() -> None:
