@@ -3,9 +3,9 @@
 Install with ``pip install --no-build-isolation -e .`` (or without ``-e``), so
 the extension is compiled for the torch in this environment; see Note [Building
 against the installed torch]. ``DEBUG=1`` builds with ``-O0 -g``; otherwise
-``-O3 -g0``: no debug info (Python's CFLAGS ask for ``-g``), which took more
-than half of each file's compile time (torch's headers) and all but 1.8 MB
-of the 78 MB built library. With GCC, torch's headers are precompiled once per
+``-O3 -g0``: no debug info (Python's CFLAGS ask for ``-g``), which would take
+more than half of each file's compile time (torch's headers) and most of the
+built library. With GCC, torch's headers are precompiled once per
 build (Note [Precompiled torch headers]); ``BATCHRULES_PCH=0`` builds without.
 Each csrc folder compiles as a few unity files (Note [Unity build]);
 ``BATCHRULES_UNITY=0`` compiles each source file alone.
@@ -82,13 +82,11 @@ def build_record(in_place: bool) -> str:
 
 
 # Note [Precompiled torch headers]
-# Parsing torch's headers (ATen/ATen.h alone: 7 s) was most of each file's
-# compile time: 8.3 s of which 7.0 s parsing for csrc/recurrent/forward.cpp, and
-# the whole build ~10 minutes on CI's 2 cores. csrc/precompiled.h names the
-# headers most files include; GCC compiles it once per build into a .gch
-# (~20 s), and every file is compiled with `-include` of it, which loads the
-# parsed headers instead of parsing them again (forward.cpp: 3.7 s; the whole
-# build 8m37 -> 4m52; the .gch takes ~500 MB of the build directory). It is
+# Parsing torch's headers is most of each file's compile time. csrc/
+# precompiled.h names the headers most files include; GCC compiles it once per
+# build into a .gch, and every file is compiled with `-include` of it, which
+# loads the parsed headers instead of parsing them again (the .gch takes
+# ~500 MB of the build directory). It is
 # only valid for the exact flags it was built with, so it is compiled by the
 # same compiler with the flags torch's ninja build gives every file, and rebuilt
 # when they, the header or torch change; GCC checks its validity itself and
@@ -165,13 +163,11 @@ def compile_with_precompiled_header(compiler, build_temp: str):
 
 
 # Note [Unity build]
-# Even precompiled, torch's headers cost every compiled file 3.5-4.8 s to load
-# (an empty file, on CI's 2 cores), against ~1-6 s for most files' own code: a
-# build of 66 files spent most of its time loading them. So each csrc folder
-# (an op family; csrc's own files together) compiles as unity files that
-# #include its sources, at most UNITY_FILES each: 16 loads instead of 66, and
-# enough units to keep both cores busy. Whole build from clean, 2 cores:
-# 2m17 (4m52 file by file; 3m10 as unity files without the .gch). The sources
+# Even precompiled, torch's headers cost every compiled file more to load than
+# most files' own code takes: a build file by file spends most of its time
+# loading them. So each csrc folder (an op family; csrc's own files together)
+# compiles as unity files that #include its sources, at most UNITY_FILES each:
+# a few loads a folder, and enough units to keep both cores busy. The sources
 # stay one concern per file and each includes what it uses; names in their
 # anonymous namespaces are unique within a folder (the same definition twice
 # fails to compile, but other parameters would overload). ninja's dependency

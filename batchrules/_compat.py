@@ -84,10 +84,9 @@ def is_view(tensor: Tensor) -> bool:
 # Note [clipped_grad's vmap over plain tensors]
 # torch.func.vmap's Python wrapper flattens and broadcasts its arguments and
 # in_dims as pytrees and unflattens its outputs (cProfile: mostly
-# torch.utils._pytree), a fixed cost clipped_grad would add to every DP step:
-# on a 2-core Intel VM, two tensor arguments and a function returning one,
-# 64 us a call against 12 us entering the level here (~2% of the DP LSTM
-# row's step). Where every vmapped argument is a tensor with an int or None
+# torch.utils._pytree), a fixed cost clipped_grad would add to every DP step,
+# several times what entering the level directly costs. Where every vmapped
+# argument is a tensor with an int or None
 # dim and the function returns a tensor, clipped_grad enters the vmap level
 # itself through the primitives torch.func.vmap uses; anything else takes
 # torch.func.vmap.

@@ -8,7 +8,7 @@
 
 ``install()`` (run by ``import batchrules``) registers the first two; the
 Dynamo parts wait for ``torch._dynamo``'s import (Note [Registering with
-optional torch subsystems lazily]), which costs most of a second.
+optional torch subsystems lazily]), which is slow.
 
 Decompositions
 --------------
@@ -25,27 +25,15 @@ What remains is the choice of what the backend receives:
   ``aten.silu_backward``, ...), so Inductor sees plain GEMMs it can fuse
   around and pick templates for, and pointwise ops it fuses.
 
-We decompose. ``python -m batchrules.bench.compile_ops`` times a training step
-(fwd + bwd) of a 3-layer ReLU MLP, batch x width, each variant really compiled
-(caches off); CPU, 1 thread, best of 3 medians of 15 steps, on a 2-core
-machine (noise about 3% at the GEMM-bound large sizes):
-
-    ===========  ========  ========  ==========  ==========
-    size         eager     extern    decomposed  F.linear
-    ===========  ========  ========  ==========  ==========
-    16 x 64      0.078 ms  0.141 ms  0.124 ms    0.124 ms
-    64 x 256     0.723 ms  0.785 ms  0.759 ms    0.759 ms
-    256 x 512    10.56 ms  10.58 ms  10.68 ms    10.48 ms
-    512 x 1024   84.3 ms   83.0 ms   79.7 ms     79.9 ms
-    ===========  ========  ========  ==========  ==========
-
-Decomposed is as fast as compiled ``F.linear`` and beats extern where
-launches and memory passes count (-12% at 16 x 64, -3% at 64 x 256): the
-backward's bias-gradient sums fuse into the preceding pointwise kernels (9
-instead of 11 kernels for the 3-layer backward). The graph is the one Inductor
-gets for ``F.linear``, so GPU GEMM templates (max-autotune), epilogue fusion
-and pattern passes apply unchanged; an extern call is a fusion barrier.
-(Eager wins at tiny sizes: the compiled autograd wrapper costs ~50 us a step.)
+We decompose. ``python -m batchrules.bench.compile_ops`` times a compiled
+training step (fwd + bwd) of a 3-layer ReLU MLP both ways, against compiled
+``F.linear`` (numbers: docs/design.md's decision table). Decomposed is as
+fast as compiled ``F.linear`` and beats extern where launches and memory
+passes count (small sizes): the backward's bias-gradient sums fuse into the
+preceding pointwise kernels (9 instead of 11 kernels for the 3-layer
+backward). The graph is the one Inductor gets for ``F.linear``, so GPU GEMM
+templates (max-autotune), epilogue fusion and pattern passes apply
+unchanged; an extern call is a fusion barrier.
 
 Note [Decomposing under FunctionalTensorMode]
 The decomposition is a ``torch.library.register_torch_dispatch`` rule for
@@ -55,7 +43,7 @@ CompositeExplicitAutograd C++ kernel with the mode active, so the aten ops that
 kernel calls are what gets traced: the decomposition is the eager kernel by
 construction (every bias quirk and shape check included), with nothing
 written twice. Unlike an entry in Inductor's decomposition table it needs no
-import of ``torch._inductor`` (about 1 s) when batchrules is imported, it is in
+import of ``torch._inductor`` (slow) when batchrules is imported, it is in
 place before any compilation, and every AOTAutograd backend (``aot_eager``
 included) sees the same graph. Eager code, FakeTensor and Dynamo still call
 the op itself.

@@ -196,8 +196,8 @@ def loop_per_sample_grads(model: nn.Module, x: torch.Tensor,
 def test_compiled_ensemble(routing: bool) -> None:
     """Compiled ensembling matches a loop over the models, with routing on and
     STOCK torch.func (routing off). pytorch#109025 ("Batching rule not
-    implemented for aten::t" for this recipe under torch.compile) no longer
-    reproduces with torch 2.13: stock works; this records that."""
+    implemented for aten::t" for this recipe under torch.compile) does not
+    reproduce with torch 2.13: stock works; this records that."""
     torch.manual_seed(0)
     models = [small_mlp() for _ in range(3)]
     params, buffers = stack_module_state(models)

@@ -1,4 +1,4 @@
-"""clipped_grad on code vmap(grad) runs, with gradients of any layout (issue 16):
+"""clipped_grad on code vmap(grad) runs, with gradients of any layout:
 non-contiguous and stride-0 output gradients, torch.Size arguments beside
 parameters, per-sample inputs with several leading dims; against the per-sample
 loop in float64. Also: routing inside clipped_grad, and the calls it refuses.

@@ -118,7 +118,7 @@ def peak_bytes(fn) -> int:
     return peak
 
 
-@pytest.mark.slow  # the memory target for logical batches; ~10 s on 2 cores
+@pytest.mark.slow  # the memory target of logical batches: one chunk's peak, not the batch's
 def test_logical_batch_uses_one_chunks_memory() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(784, 512), nn.SiLU(), nn.Linear(512, 512), nn.SiLU(),

@@ -8,10 +8,10 @@ collector past its thresholds: generation-0 and -1 passes over objects that
 are all still alive, and now and then a full pass over every object of the
 process (~170k once torch is imported). None of them finds garbage the step
 made: the cycles a step leaves behind are a few dozen (torch's pytree
-closures), collected later as any other. Measured on the DP LSTM step
-(B 32, T 20, 32 -> 128, 1 thread), 60 steps interleaved: median 11.45 ->
-11.06 ms, mean 12.97 -> 11.68 ms. The collector is restored as the caller
-had it, also when the step raises; a collector already off stays off.
+closures), collected later as any other. Pausing it takes those passes off
+the step's time, the mean more than the median. The collector is restored as
+the caller had it, also when the step raises; a collector already off stays
+off.
 """
 import contextlib
 import gc

@@ -4,10 +4,9 @@ Note [oneDNN for the clipped sums]
 A layer's clipped sum is one GEMM over all B*T recorded rows, ``[R, M]`` and
 ``[R, N]`` to ``[M, N]``, with each sample's clipping coefficient folded into
 the narrower operand. On the CPU aten runs a float32 GEMM as MKL's sgemm; on
-an AMD EPYC (where this was measured first), oneDNN's matmul (the library aten
-already runs convolutions and LSTM layers with) computes these shapes 1.8-2.1x
-faster (1 thread: R 128-4096, M and N 128-4096; e.g. R 128, M 512, N 784:
-0.97 ms against 0.50 ms), to the same float32 accuracy. So float32 CPU sums
+an AMD EPYC, oneDNN's matmul (the library aten already runs convolutions and
+LSTM layers with) computes these shapes about twice as fast, to the same
+float32 accuracy. So float32 CPU sums
 of at least ``_ONEDNN_MIN_MACS`` multiply-adds (below it oneDNN's call costs
 more than it saves) run as oneDNN's matmul through aten's
 ``mkldnn::_linear_pointwise`` (``X W^T``), when oneDNN is built in and enabled
@@ -19,11 +18,10 @@ copy would be larger than the result, it keeps the in-place sgemm instead
 (peak memory before speed). Every other case is ``torch.mm``: float64, CUDA,
 no oneDNN, and a wider operand whose rows are not packed one after the
 other: overlapping (the stride-0 gradient of a sum) or spaced (a slice, as a
-[CLS] token's rows), for which oneDNN runs a reference kernel (BERT's pooler,
-16 rows of 256: 28 ms against 0.07 ms packed). Where MKL's sgemm is the faster
-(an Intel CPU: Note [MKL or oneDNN by CPU vendor] in csrc/common/cpu_gemm.h;
-there 15-30% faster at these shapes, e.g. R 384, M 128, N 512: 0.50 against
-0.59 ms) every sum is ``torch.mm`` (``_ONEDNN_PREFERRED``).
+[CLS] token's rows), for which oneDNN runs a reference kernel, orders of
+magnitude slower. Where MKL's sgemm is the faster (an Intel CPU: Note [MKL or
+oneDNN by CPU vendor] in csrc/common/cpu_gemm.h) every sum is ``torch.mm``
+(``_ONEDNN_PREFERRED``).
 """
 from typing import Tuple
 

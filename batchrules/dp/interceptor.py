@@ -7,8 +7,8 @@ routes every torch call taking it (as an argument, in a list of tensors, or
 as ``self`` of a method) to the active ``Interceptor``. Calls that take no
 parameter (activations, reshapes, the loss, attention on activations) never
 leave C++: clipped_grad adds nothing to them beyond what vmap itself costs.
-A TorchFunctionMode would also see those, at about 2 us each on CPU (Python
-dispatch), a cost that grew with the model's ops rather than its layers. The
+A TorchFunctionMode would also see those, each through Python dispatch, a
+cost that would grow with the model's ops rather than its layers. The
 price: a rule can only intercept calls that take a parameter (a layer rule's
 weight, BatchNorm's affine parameters), and a BatchNorm in training mode
 without affine parameters is refused by torch's own checks under vmap (as

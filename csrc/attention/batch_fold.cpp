@@ -8,9 +8,9 @@
 //  - batched operand: [N, B, ...] after moving its batch dim to the front,
 //    flattened (a view when N and B are adjacent in memory, one copy else:
 //    nn.MultiheadAttention lays an example out sequence-first, [L, B, H, E]
-//    in memory, so with B > 1 (ensembles) q, k, v and grad_out are copied;
-//    3 ms of a 107 ms profiled 4-member encoder-layer step at B = 32;
-//    per-sample gradients have B = 1 and fold as views);
+//    in memory, so with B > 1 (ensembles) q, k, v and grad_out are copied,
+//    a small part of an ensemble's encoder-layer step; per-sample gradients
+//    have B = 1 and fold as views);
 //  - unbatched operand: N copies, each with the operand's own layout (the
 //    kernels index the batch with one stride, which cannot map n*B + b to b;
 //    the CPU flash forward returns `out` as [B, L, H, E] in memory and its

@@ -2,12 +2,11 @@
 //
 // Note [MKL or oneDNN by CPU vendor]
 // aten runs a float32 CPU GEMM as MKL's sgemm, and the LSTM layer and
-// convolutions as oneDNN primitives. On an AMD EPYC oneDNN's matmul was
-// 1.8-2.1x faster than MKL at the clipped sums' shapes (MKL takes slower
-// paths on other vendors' CPUs), and oneDNN's LSTM layer beat rnn_recurrence's
-// MKL GEMMs ~1.8x at hidden 128. On an Intel Sapphire Rapids Xeon MKL's sgemm
-// is 15-30% faster than oneDNN's matmul, and the recurrence's batched GEMMs
-// beat a loop of oneDNN layers for an ensemble of small members' forward
+// convolutions as oneDNN primitives. On an AMD EPYC oneDNN's matmul is the
+// faster at the clipped sums' shapes (MKL takes slower paths on other
+// vendors' CPUs), and oneDNN's LSTM layer beats rnn_recurrence's MKL GEMMs.
+// On an Intel Xeon MKL's sgemm is the faster, and the recurrence's batched
+// GEMMs beat a loop of oneDNN layers for an ensemble of small members' forward
 // (Note [oneDNN's LSTM layer under transforms]). So the choices that compare
 // the two ask this: MKL where aten has it and the CPU is Intel's (Linux:
 // /proc/cpuinfo; elsewhere no vendor is read and oneDNN stays preferred).

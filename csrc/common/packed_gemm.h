@@ -3,21 +3,17 @@
 // Note [One packed W_hh for all steps]
 // Every step of a recurrence multiplies its state by the same W_hh^T. MKL's
 // sgemm first copies ("packs") that operand into its kernel's layout, on
-// every call: at a step's shapes (N 32, K 128, M 512) the copy is ~17% of the
-// GEMM (1 thread: 20 steps 978 us as at::mm, 806 us packed once). MKL's
+// every call, a sizeable part of a step's GEMM. MKL's
 // packed API packs it once (cblas_sgemm_pack) and runs each step on the
 // packed copy (cblas_sgemm_compute); the values came out identical where
 // measured. aten does not offer it, but torch's MKL builds export MKL's CBLAS
 // symbols from libtorch_cpu; they are declared weak (packed_gemm.cpp), so a
 // torch without them still loads the extension and its steps stay aten
 // GEMMs. A packed product costs more to set up: below ~1M multiply-adds it is
-// the slower (an ensemble's 8 members, 20 steps, N 16, timed from Python
-// through ctypes with its call cost subtracted: K 32, M 128, 2.1 ms packed
-// against 0.55 ms for one bmm a step; K 64, M 256, 3.0 against 1.6 ms; K 128,
-// M 512, 7.0 against 7.9 ms), so only products of at least kMinPackedMacs
-// are packed (packed_gemm.cpp). The backward's steps multiply by W_hh
-// untransposed, which MKL does not pack per call: packed once it was no
-// faster, so they stay aten GEMMs.
+// slower than one bmm a step (a small ensemble's members), so only products
+// of at least kMinPackedMacs are packed (packed_gemm.cpp). The backward's
+// steps multiply by W_hh untransposed, which MKL does not pack per call:
+// packed once it is no faster, so they stay aten GEMMs.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -6,19 +6,17 @@
 //
 // Note [The ghost norm kernel]
 // aten's bmm of a sample's rows against themselves ([B, T, I] x [B, I, T])
-// runs at 8-20 GMAC/s for T <= 32 on one CPU thread (many small GEMMs, each
-// with its call overhead), and the ghost norm needs two of them plus a
+// is slow for few rows (many small GEMMs, each with its call overhead), and
+// the ghost norm needs two of them plus a
 // product and a reduction. Here each sample's two Gram matrices are formed in
 // their lower triangles only (they are symmetric), one row of each at a time
 // (no [T, T] scratch), the row against four earlier rows at once: it is
 // loaded once for four dot products, whose 4 x 16 independent accumulators
 // the compiler turns into SIMD lanes, the best of AVX-512, AVX2 and the
-// baseline chosen at load time (target_clones). One dot product per call was
-// bound by its loads and its horizontal sum, 1.4-2x slower. The Grams'
-// products are summed in double. Measured (1 thread, AMD EPYC, float32,
-// against the two bmms): B 32, T 12, I 128, O 384: 38 against 139 us; T 20,
-// I 128, O 512: 112 against 311 us; B 16, T 64, I = O = 768: 1.8 against
-// 2.2 ms; T 128: 7.5 against 8.8 ms, so dp/cost.py calls it up to 128 rows.
+// baseline chosen at load time (target_clones). One dot product per call is
+// bound by its loads and its horizontal sum. The Grams' products are summed
+// in double. It beats the two bmms up to 128 rows a sample, so dp/cost.py
+// calls it up to there.
 // Where AVX-512 is available float32 takes 4 x 4 blocks of rows instead
 // (Note [Gram blocks on AVX-512]).
 #include "ghost_norm/shape_checks.h"
@@ -127,17 +125,15 @@ inline void gram_row(const double* x, int64_t t, int64_t n, double* out) {
 
 // Note [Gram blocks on AVX-512]
 // The row kernel above loads five vectors for four multiply-adds, and its
-// sixteen-lane sums are reduced one dot product at a time: on an Intel
-// Sapphire Rapids core it ran at ~19 GMAC/s. Where AVX-512 is available,
+// sixteen-lane sums are reduced one dot product at a time. Where AVX-512 is
+// available,
 // float32 Grams are formed in 4 x 4 blocks of rows instead: each pass over k
 // loads four rows of each side for sixteen multiply-adds into sixteen zmm
 // accumulators (of 32 registers; AVX2's 16 ymm could not hold them, so other
 // CPUs keep the row kernel), and each block's products are summed into the
-// norm as they come, with no Gram held. Measured there (1 thread, float32,
-// row kernel against blocks): B 16, T 64, I = O = 768: 1.97 against 1.06 ms;
-// B 8, T 128, I 768, O 3072: 11.3 against 5.6 ms; an LSTM's joint norm (B 32,
-// T 20, I 160, O 512): 181 against 111 us. The diagonal blocks compute their
-// upper triangles too (6 of 16 products unused).
+// norm as they come, with no Gram held: eight loads feed sixteen
+// multiply-adds. The diagonal blocks compute their upper triangles too (6 of
+// 16 products unused).
 using Float16 = float __attribute__((vector_size(64)));
 using Float8 = float __attribute__((vector_size(32)));
 using Float4 = float __attribute__((vector_size(16)));

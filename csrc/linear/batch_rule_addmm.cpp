@@ -5,8 +5,8 @@
 // self in a second pass over the [B, N, M] result. transformers' GPT-2
 // Conv1D is torch.addmm(bias, x, W): under vmap (per-sample gradients, and
 // clipped_grad's forward through frozen Conv1Ds, e.g. LoRA's base model)
-// every such layer paid that extra pass, a broadcast add over its output
-// (B 16, T 64, 1 CPU thread: ~1 ms for each [16, 64, 1024] one). When only
+// every such layer pays that extra pass, a broadcast add over its whole
+// output. When only
 // mat1 is batched and self is one row for all rows (logical [M], [1, M],
 // [1] or []), the batch folds into the rows instead:
 //   B,N,K -> B*N,K x K,M + self -> B*N,M -> B,N,M

@@ -1,5 +1,10 @@
 // Batching rule for batchrules::linear.
-//
+#include "linear/batch_rules.h"
+#include "ops.h"
+#include "linear/shape_checks.h"
+
+#include <ATen/ATen.h>
+
 // Note [Batch dims and GEMMs in the linear rule]
 // Shapes are physical: B the vmap size, lead the logical leading dims of the
 // input (M their product), I/O the in/out features. A row bias (logical [O],
@@ -12,52 +17,36 @@
 // with leading dims) is added after it: GEMM + one broadcast add.
 //
 // Note [Contiguous per-example results]
-// Every result has its batch dim at the front and each example contiguous,
-// as eager F.linear's output is: user code calls .view() on it (q_proj(x)
-// .view(B, T, H, D)), and functorch's view rule fails on an example that is
-// not. So a batch dim elsewhere in the input moves to the front (the fold
-// then copies the input), and a shared input with batched weights does not
-// run as one addmm against the stacked [B*O, I] weights: its [M, B*O] result
-// is [M, O] per example with row stride B*O, and making it contiguous costs
-// a copy. Measured on 2 CPU threads (torch 2.13, MKL) against addmm + that
-// copy, the expanded baddbmm is faster for ensemble shapes: 633 vs 688 us
-// for 10 x [64,784]x[784,128] (the torch.func tutorial), 99 vs 112 us for
-// MBPO's 7 x [256,23]x[23,200]; it loses where each member's GEMM is thin
-// (5 x [128,512]x[512,10]: 93 vs 55 us).
+// Every result is batch-first with each example contiguous, as eager
+// F.linear's output is: user code calls .view() on it (q_proj(x).view(B, T,
+// H, D)), and functorch's view rule fails on an example that is not. So a
+// batch dim elsewhere in the input moves to the front (the fold copies the
+// input), and a shared input with batched weights runs as the expanded
+// baddbmm, not one addmm against the stacked [B*O, I] weights: that result
+// needs a copy to be contiguous, and addmm + copy is the slower of the two
+// for ensemble shapes.
 //
 // Note [Nested vmap and fused GEMMs]
 // functorch has no batching rule for addmm/baddbmm; under an enclosing vmap
-// level it decomposes them into mm/bmm + mul + add. The shared-weight branch
-// is a linear and calls batchrules::linear, so the enclosing level runs this
-// rule again. So does a shared input with batched weights while anything is
-// batched at an enclosing level: an expanded input would be materialized
-// there (functorch's bmm rule folds levels by reshaping, which copies a
-// stride-0 dim, and copies a weight batched at this level only once per
-// enclosing example), so it runs as one linear against the stacked [B*O, I]
-// weights plus one copy of the output instead. A batched input with batched
-// weights issues bmm + add instead of baddbmm when an operand is batched at
-// an enclosing level; functorch's bmm rule folds levels the operands share
-// into one bmm.
+// level it decomposes them into mm/bmm + mul + add. So the shared-weight
+// branch calls batchrules::linear, and the enclosing level runs this rule
+// again. So does a shared input with batched weights while anything is
+// batched at an enclosing level: one linear against the stacked [B*O, I]
+// weights plus one output copy, because functorch's bmm rule would
+// materialize the expanded input (it folds levels by reshaping). A batched
+// input with batched weights issues bmm + add there instead of baddbmm:
+// functorch's bmm rule folds the levels the operands share into one bmm.
 //
 // Note [GEMM and bias apart when traced]
 // Eager, a batched weight with a row bias runs as one baddbmm. Traced for
-// torch.compile (AOTAutograd's functional/fake tensors carry the Python key,
-// under its dispatch modes) it is emitted as bmm + add: Inductor runs an
-// extern baddbmm after copying the bias into the output, and keeps whatever
-// follows (the activation) as a separate kernel, while bmm + add lets it fuse
-// the add with what follows, as stock torch.func's decomposition does.
-// Measured on 1 CPU thread, torch 2.13, compiled relu(baddbmm) vs
-// relu(bmm + add), best of 30: 59 vs 50 us for 4 x [8,16]x[16,32], 2.96 vs
-// 2.58 ms for 10 x [64,784]x[784,128].
+// torch.compile (AOTAutograd's functional/fake tensors carry the Python key)
+// it is emitted as bmm + add, as stock torch.func's decomposition is:
+// Inductor runs baddbmm as an extern kernel and cannot fuse the bias with
+// what follows (the activation); bmm + add it fuses.
 //
 // Note [1-D weight as a one-row matrix]
 // A 1-D weight [I] is run as the [1, I] matrix with the bias given a trailing
 // 1 dim; the out dim (size 1) is squeezed from the result.
-#include "linear/batch_rules.h"
-#include "ops.h"
-#include "linear/shape_checks.h"
-
-#include <ATen/ATen.h>
 
 namespace batchrules {
 

@@ -20,17 +20,15 @@
 // F.cross_entropy on [1, 10] logits, batch 8: functorch runs nll_loss_forward
 // and nll_loss_backward through Python decompositions (where, gather, scatter,
 // ne, sum, div, ... each dispatched through the vmap layer from Python): 30
-// kernels per step, and cross_entropy cost 1.44x its own log_softmax + gather
+// kernels per step, slower than cross_entropy's own log_softmax + gather
 // composition. mse/smooth_l1/huber_loss_backward decompose the same way. With
 // these rules the step runs 9 kernels and costs what the composition costs
-// (bench loss_grad/cross_entropy/b8, 1 thread, one run on a shared 2-core
-// machine: stock 762 us, rules 524 us, composition 530 us). What remains above
-// vmap(grad) of a plain sum is about 130 us (CPU time), the most an own
-// cross_entropy operator routed at FrontMode could save: under 3% of the
-// psg_mlp/b8 step (4.5 ms there), for hand-written autograd, forward AD and
-// double backward of every variant (probabilities, label smoothing, weights,
-// K-dim). The aten rules keep ATen's autograd formulas (every order of
-// derivative) and serve F.nll_loss, cross_entropy and every other caller.
+// (bench loss_grad). What remains above vmap(grad) of a plain sum is the most
+// an own cross_entropy operator routed at FrontMode could save: a few percent
+// of a per-sample MLP step, for hand-written autograd, forward AD and double
+// backward of every variant (probabilities, label smoothing, weights, K-dim).
+// The aten rules keep ATen's autograd formulas (every order of derivative)
+// and serve F.nll_loss, cross_entropy and every other caller.
 #include "losses/batch_layout.h"
 #include "losses/batch_rules.h"
 

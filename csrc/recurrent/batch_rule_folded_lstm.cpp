@@ -6,9 +6,9 @@
 // (shared weights: per-sample inference), the vmapped LSTM is aten's LSTM over
 // the whole batch with the vmap dim folded into its rows. layers.cpp's
 // composition reaches the same oneDNN layer, but through some forty view,
-// stack and cat ops, each dispatched on BatchedTensors: 1.19x the eager call
-// over the folded batch (32 sequences [20, 32], 32 -> 128, 1 thread), where a
-// per-sample forward should cost at most 1.1x. So the route folds the operands
+// stack and cat ops, each dispatched on BatchedTensors, which cost more than
+// the budget of a per-sample forward (1.1x the eager call over the folded
+// batch). So the route folds the operands
 // and calls aten::lstm below the transforms, as the batch's own eager call
 // would. It does so only where lstm_kernel picks oneDNN's inference layer, so
 // every other flow keeps its kernel, and not with dropout between layers in
@@ -38,7 +38,7 @@ std::array<BatchedResult, 3> lstm_folded_batch_rule(const Tensor& input, int64_t
   const int64_t n = logical_sizes(input, input_bdim)[rows].expect_int();  // an example's N
   // T,B,N,I -> T,B*N,I (B,N,T,I -> B*N,T,I batch_first); L*D,(B,)N,H ->
   // L*D,B*N,H, dense: oneDNN reads a state expanded over the samples (stride
-  // 0) ~12% slower than a dense one.
+  // 0) slower than a dense one.
   auto [output, h_n, c_n] =
       at::lstm(fold_rows(input, input_bdim, rows, batch),
                {fold_rows(h0, h0_bdim, 1, batch), fold_rows(c0, c0_bdim, 1, batch)}, params,
@@ -74,8 +74,8 @@ std::optional<std::tuple<Tensor, Tensor, Tensor>> lstm_over_folded_rows(
     const c10::impl::ExcludeDispatchKeyGuard below_transforms(
         c10::DispatchKeySet({c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
                              c10::DispatchKey::FuncTorchDynamicLayerBackMode}));
-    // With grad mode on, oneDNN computes its training workspace (~6% of the
-    // call) even where nothing can be differentiated; the rule of
+    // With grad mode on, oneDNN computes its training workspace even where
+    // nothing can be differentiated; the rule of
     // aten::mkldnn_rnn_layer runs such a layer as inference too.
     const bool differentiable =
         x.requires_grad() || h0.requires_grad() || c0.requires_grad() ||

@@ -53,7 +53,7 @@ inline float tanh_approx(float x) {
 
 // Rows (e, n) of an E,N,* float32 tensor. Its data pointer and strides are
 // read once per call, not per row: data_ptr's checks cost as much as a row
-// of H 128 (perf: ~10% of the LSTM backward through time at N 32).
+// of H 128.
 template <typename T>
 class Rows {
  public:

@@ -2,7 +2,7 @@
 //
 // Note [oneDNN's LSTM layer under transforms]
 // On the CPU aten runs an LSTM as oneDNN's fused layer, whose GEMMs are
-// faster than the MKL calls rnn_recurrence makes (at hidden 128, ~1.8x). But
+// faster than the MKL calls rnn_recurrence makes from small sizes up. But
 // its backward sums the weight gradients over the layer's rows, and under the
 // create_graph=True of functorch's grad aten differentiates it through a
 // composite of per-step ops. So the route picks, for float32 CPU operands
@@ -20,12 +20,9 @@
 //    bmm over all members (hypernetworks: one row each) beats a loop of
 //    small fused calls; where MKL's GEMM is the faster (Note [MKL or oneDNN
 //    by CPU vendor]) an ensemble also needs at least kMinOneDnnMemberWork
-//    rows x hidden a member: measured there (8 LSTMs 32->H, 20 steps,
-//    interleaved), the recurrence takes 0.92x oneDNN's loop's time in
-//    inference at 16 rows x 32, 1.01x at 16 x 48, 1.08x at 16 x 64 and
-//    1.2-1.4x from 64 x 32 up; in training (a vmap(grad) step) 0.84x at
-//    16 x 32, 1.02x at 16 x 48 and 1.0x at 16 x 64 (Note [A step's GEMM];
-//    before it, 1.1-2.4x);
+//    rows x hidden a member: below it the recurrence's batched GEMMs (with
+//    Note [A step's GEMM]) beat the loop of oneDNN layers, in inference and
+//    training;
 //  - anything else, per-sample weight gradients above all (vmap(grad) with
 //    shared weights): rnn_recurrence, whose weight gradients are one bmm per
 //    sample; or its decomposition under higher-order transforms.

@@ -41,12 +41,12 @@ Tensor previous_states(const Tensor& initial, const Tensor& seq, bool reverse);
 
 // Note [tanh as a sigmoid]
 // tanh(x) = 2 sigmoid(2x) - 1. On the CPU aten's sigmoid is vectorized where
-// its tanh is ~9x slower per element (AVX512 builds of torch 2.13), and the
+// its tanh is several times slower per element (AVX512 builds), and the
 // recurrence kernels evaluate tanh on every step; the three cheap ops cost a
 // fraction of it (an absolute error of a few ulps of 1, none near 0 relative
 // to the tolerance of the gates). The kernels write it without Scalar
 // operands: aten wraps a Scalar as a double tensor and converts it on every
-// call (~1 µs, several times a step), so 2x is x + x and the 1 is `one`, a
+// call (several times a step), so 2x is x + x and the 1 is `one`, a
 // 0-dim tensor of t's dtype.
 Tensor& tanh_in_place(Tensor& t, const Tensor& one);
 Tensor tanh_of(const Tensor& t);
@@ -68,10 +68,9 @@ Tensor empty_steps(const Tensor& like, int64_t width);
 // Note [A step's GEMM]
 // The kernels' per-step GEMMs, E,N,K x E,K,M -> E,N,M. With one group (a
 // layer's own weights, all samples folded into N) aten's mm is faster than
-// bmm of a batch of one, more so without an input to add (1 thread, N 32,
-// K 128, M 512, the W_hh^T view: baddbmm 72 us, bmm 65 us, mm 56 us). (A
-// contiguous copy of W_hh^T would make the mm 47 us, but the transposing
-// copy itself takes ~110 us.)
+// bmm of a batch of one, more so without an input to add (baddbmm), so the
+// input is left out and the fused cell adds it. W_hh^T stays a view: a
+// contiguous copy would speed the mm up by less than the copy costs.
 Tensor& group_mm_out(Tensor& out, const Tensor& a, const Tensor& b);
 Tensor group_mm(const Tensor& a, const Tensor& b);
 int64_t gate_count(RnnMode mode);

@@ -15,10 +15,9 @@ batched (functorch has no batching rule for the CPU flash-attention kernel;
 under vmap it would loop). Any other configuration takes the generic path.
 
 Note [Attention in float32 under bf16 on the CPU]
-On the CPU, torch 2.13's flash-attention backward is ~8x slower in bfloat16
-than in float32 (at [32, 8, 32, 32]: 41 against 5 ms; the forwards take the
-same 1.5 ms), so under bf16 autocast it was a third of a DP step and made
-the bf16 step slower than the float32 one. With bf16 or fp16 q, k, v on the
+On the CPU, torch 2.13's flash-attention backward is several times slower in
+bfloat16 than in float32 (the forwards cost the same), enough to make a bf16
+DP step slower than the float32 one. With bf16 or fp16 q, k, v on the
 CPU the rule runs the attention core in float32 (autocast off around it,
 which would cast it back down) and returns its output in q's dtype: the dtypes
 stock autocast gives, with the attention itself rounded once instead of in
@@ -35,7 +34,7 @@ from ..rule import NOT_HANDLED, Rule, batched, bind, physical, register
 from ..tape import Tape
 from .linear import ghostable, recorded_linear
 
-# (names, trailing defaults) for rule.bind: inspect's Signature.bind cost ~20 us a call
+# (names, trailing defaults) for rule.bind: inspect's Signature.bind is slow per call
 _PARAMETERS = list(inspect.signature(F.multi_head_attention_forward).parameters.values())
 _FIRST_DEFAULT = next(i for i, p in enumerate(_PARAMETERS) if p.default is not p.empty)
 _MHA_ARGS = (tuple(p.name for p in _PARAMETERS),
@@ -114,7 +113,7 @@ class AttentionRule(Rule):
         # B*L*N, 3E -> B, L, N, 3, H, hd -> (B*N, H, L, hd) each. Unbound along
         # the 3 in place, so that the backward stacks q, k and v's gradients
         # straight into the in-projection's [B*L*N, 3E] layout: one copy, not
-        # a stack and then a copy into that layout (~0.25 ms a layer here).
+        # a stack and then a copy into that layout.
         qkv = qkv.view(batch, length, n, 3, heads, head_dim)
         q, k, v = (t.permute(0, 2, 3, 1, 4).reshape(batch * n, heads, length, head_dim)
                    for t in qkv.unbind(3))

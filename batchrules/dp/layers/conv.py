@@ -12,11 +12,10 @@ the patches (``F.unfold``, chunk by chunk). Materialized does not: the
 per-sample weight gradients of b samples are the weight gradient of one
 convolution with b times the groups, the samples stacked along the channels
 (input [N, b*C, ...], output gradient [N, b*O, ...], groups b*G), so the
-backend's weight-gradient kernel computes them without unfolded patches
-(1.6-1.8x faster than unfold + bmm on CPU for small_cnn's second conv, on a
-loaded machine). Where the whole batch's per-sample gradients fit the bound
-of Note [Bounded transients] (small weights: small_cnn's first conv), they
-are kept, and the clipped sum is ``sum_i c_i G_i`` from them instead of a
+backend's weight-gradient kernel computes them without unfolded patches,
+faster than unfold + bmm. Where the whole batch's per-sample gradients fit
+the bound of Note [Bounded transients] (small weights: small_cnn's first
+conv), they are kept, and the clipped sum is ``sum_i c_i G_i`` from them instead of a
 second weight-gradient kernel.
 
 Note [Convolutions with few output positions]
@@ -27,11 +26,9 @@ the unfolded patches ``[B, rows, C*k]`` (at most 4 rows a sample), unfolded
 once for the whole batch and kept from the ghost norm to the sum (a transient
 the sum needs anyway, so the norm is not chunked: Note [Bounded transients]
 would cut layer 4 of a ResNet on 32x32 images into chunks of 3 samples, each
-its own unfold). oneDNN's weight-gradient kernel is slow at these shapes on
-CPU (batch 16, 1 thread, Note [Steady malloc for timing] in bench/machine.py):
-3x3 512->512 on 1x1 inputs 2.6 ms against 1.1 ms for unfold + GEMM, on 2x2
-inputs 4.9 vs 2.2 ms, 256->512 strided 2x2 -> 1x1 1.6 vs 0.33 ms; from 4x4
-outputs on, the kernel is faster (0.53 vs 0.92 ms at 128->128).
+its own unfold). oneDNN's weight-gradient kernel is slower than unfold +
+GEMM at these shapes on the CPU; from 4x4 outputs on, the kernel is the
+faster.
 """
 import math
 from dataclasses import dataclass

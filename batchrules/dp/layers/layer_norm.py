@@ -15,12 +15,10 @@ parameters: aten's fused kernel forward and backward, what the non-private
 step runs. Its node saves the input, mean and inverse deviations; the tape
 records those same tensors, and ``x_hat = (x - mean) * rstd`` is formed only
 when the weight's per-sample gradient is, in the clip. So the step keeps one
-[B, T, *shape] tensor per LayerNorm, as the non-private step does. (The rule
-used to normalize with an operator of its own and add the affine with an
-``addcmul``, keeping ``x_hat`` instead of the input: two kernels and two
-nodes more; this way the DDP row's transformer step went from 1.431 to 1.395
-and from 1.439 to 1.420 times the non-private step, one process, alternated.)
-Under autocast the rule runs ``F.layer_norm`` without affine and the
+[B, T, *shape] tensor per LayerNorm, as the non-private step does; an
+operator of its own that normalizes, then an ``addcmul`` for the affine,
+keeping ``x_hat`` instead of the input, would cost two kernels and two nodes
+more. Under autocast the rule runs ``F.layer_norm`` without affine and the
 ``addcmul``, recording ``x_hat`` itself: ``layer_norm``'s dtype is autocast's
 policy (float32 on CUDA, the input's on the CPU), which ``native_layer_norm``
 does not share.
