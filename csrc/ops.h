@@ -47,7 +47,7 @@ using RnnRecurrenceBackwardSig = RecurrenceGradsResult(
 const c10::TypedOperatorHandle<RnnRecurrenceSig>& rnn_recurrence_op();
 const c10::TypedOperatorHandle<RnnRecurrenceBackwardSig>& rnn_recurrence_backward_op();
 
-// oneDNN's LSTM layer with its own fused backward (recurrent/fused_lstm_kernel.cpp);
+// oneDNN's LSTM layer with its own fused backward (recurrent/onednn/kernel.cpp);
 // its workspace is a list, one per fused call.
 using FusedLstmResult = std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>>;
 using FusedLstmSig = FusedLstmResult(const Tensor&, const Tensor&, const Tensor&,

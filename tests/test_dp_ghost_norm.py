@@ -1,5 +1,5 @@
 """The ghost norm kernel (``batchrules::ghost_norms_sq``, Note [The ghost norm
-kernel] in csrc/ghost_norm/kernel.cpp) and where dp/cost.py uses it."""
+kernel] in csrc/dp/ghost_norm/kernel.cpp) and where dp/cost.py uses it."""
 import pytest
 import torch
 

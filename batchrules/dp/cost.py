@@ -13,7 +13,7 @@ lower-order terms): ghost for wide layers over short sequences, the
 materialized norm for convolutions with many output positions and for long
 sequences through narrow layers. On the CPU a ghost norm of at most
 ``_GHOST_KERNEL_ROWS`` rows is one C++ kernel over the pairs instead of two
-bmms (Note [The ghost norm kernel] in csrc/ghost_norm/kernel.cpp).
+bmms (Note [The ghost norm kernel] in csrc/dp/ghost_norm/kernel.cpp).
 
 Note [Bounded transients]
 Either way the temporaries ([B, T, T] pairs, or [B, O, I] per-sample
@@ -52,7 +52,7 @@ def transient_per_sample(rows: int, in_features: int, out_features: int) -> int:
 
 
 _GHOST_KERNEL = torch.ops.batchrules.ghost_norms_sq.default
-_GHOST_KERNEL_ROWS = 128  # Note [The ghost norm kernel] (csrc/ghost_norm/kernel.cpp)
+_GHOST_KERNEL_ROWS = 128  # Note [The ghost norm kernel] (csrc/dp/ghost_norm/kernel.cpp)
 
 
 def _ghost_kernel_runs(a: Tensor, g: Tensor) -> bool:

@@ -4,7 +4,7 @@
 // call would not replay the forward's dropout masks (see Note [Dropout in a
 // folded backward]). Shapes physical, N the vmap size; philox seed/offset,
 // cum_seq_q/k and max_q/max_k describe the whole call and are never batched.
-#include "attention/batch_fold.h"
+#include "attention/vmap_dims.h"
 #include "attention/batch_rules.h"
 #include "attention/shape_checks.h"
 

@@ -5,7 +5,7 @@
 // none). These rules fold the bias like every operand (see Note [Folding the
 // vmap dim into the attention batch dim]); the flash forward, which takes no
 // bias, keeps functorch's rule. Shapes physical, N the vmap size.
-#include "attention/batch_fold.h"
+#include "attention/vmap_dims.h"
 #include "attention/batch_rules.h"
 #include "attention/dropout.h"
 #include "attention/shape_checks.h"

@@ -4,7 +4,7 @@
 // heads (query; key and value may have fewer, GQA), query and key lengths,
 // head dim. An example's attn_mask is [L, S] or [1|B, 1|H, L, S]; the kernel
 // broadcasts its size-1 dims, so a mask every example shares stays as it is.
-#include "attention/batch_fold.h"
+#include "attention/vmap_dims.h"
 #include "attention/batch_rules.h"
 #include "attention/dropout.h"
 #include "attention/shape_checks.h"

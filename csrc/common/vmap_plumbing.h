@@ -75,6 +75,12 @@ inline OptionalBatched unwrap_at(const std::optional<Tensor>& t, int64_t level) 
   return {std::move(value), bdim};
 }
 
+// An optional operand as (physical tensor, undefined when absent; batch dim).
+inline BatchedResult optional_at(const std::optional<Tensor>& t, int64_t level) {
+  auto [value, bdim] = unwrap_at(t, level);
+  return {value.value_or(Tensor()), bdim};
+}
+
 // A rule's output as a BatchedTensor at `level`; an undefined output (one
 // that was not requested) stays undefined.
 inline Tensor wrap_at(const Tensor& t, std::optional<int64_t> bdim, int64_t level) {

@@ -29,7 +29,7 @@
 // backward of every variant (probabilities, label smoothing, weights, K-dim).
 // The aten rules keep ATen's autograd formulas (every order of derivative)
 // and serve F.nll_loss, cross_entropy and every other caller.
-#include "losses/batch_layout.h"
+#include "losses/vmap_dims.h"
 #include "losses/batch_rules.h"
 
 #include <ATen/ATen.h>

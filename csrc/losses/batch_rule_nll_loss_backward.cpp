@@ -4,7 +4,7 @@
 // The kernel reads only self's shape and options (its result is zeros with
 // -w[t] * g at each row's target), so the folded self is allocated, not
 // copied from the input, whether or not the input is batched.
-#include "losses/batch_layout.h"
+#include "losses/vmap_dims.h"
 #include "losses/batch_rules.h"
 
 #include <ATen/ATen.h>

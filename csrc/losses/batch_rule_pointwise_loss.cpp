@@ -9,7 +9,7 @@
 // one 'none' kernel and a per-example reduction. mse_loss and smooth_l1_loss
 // take the same rule so that their batched kernels can apply autocast's fp32
 // policy (Note [Autocast under vmap]).
-#include "losses/batch_layout.h"
+#include "losses/vmap_dims.h"
 #include "losses/batch_rules.h"
 
 #include <ATen/ATen.h>

@@ -10,7 +10,7 @@
 // kernel broadcasts target and grad_output against self; the result has the
 // broadcast shape of the three per example, as stock's decomposition does
 // (eager resizes its output to it, with a deprecation warning).
-#include "losses/batch_layout.h"
+#include "losses/vmap_dims.h"
 #include "losses/batch_rules.h"
 
 #include <ATen/ATen.h>

@@ -2,7 +2,7 @@
 // folded into the rows or the groups. See Note [Batching the grouped
 // recurrence].
 #include "ops.h"
-#include "recurrent/batch_placement.h"
+#include "recurrent/vmap_dims.h"
 #include "recurrent/batch_rules.h"
 
 namespace batchrules {

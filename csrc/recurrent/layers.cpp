@@ -5,7 +5,7 @@
 #include "common/autocast.h"
 #include "common/transform_stack.h"
 #include "recurrent/run_recurrence.h"
-#include "recurrent/fused_lstm.h"
+#include "recurrent/onednn/layer.h"
 
 #include <ATen/ATen.h>
 

@@ -4,11 +4,11 @@
 //    as layers.cpp composes them, so that each layer and direction is a linear
 //    call and one batchrules::rnn_recurrence with its own rules and autograd;
 //  - FuncTorchBatched: aten's fused CPU LSTM layer (Note [oneDNN's LSTM
-//    layer under transforms], lstm_kernel.cpp), and the packed-sequence
+//    layer under transforms], onednn/kernel_choice.cpp), and the packed-sequence
 //    overloads, which vmap cannot express (a PackedSequence's batch_sizes are
 //    data, not a dim), with an error that says what to do instead.
 #include "common/autocast.h"
-#include "recurrent/batch_rules.h"
+#include "recurrent/onednn/batch_rules.h"
 #include "recurrent/layers.h"
 #include "routing.h"
 

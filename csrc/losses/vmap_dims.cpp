@@ -1,4 +1,4 @@
-#include "losses/batch_layout.h"
+#include "losses/vmap_dims.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -1,4 +1,4 @@
-#include "recurrent/fused_batching.h"
+#include "recurrent/onednn/batching.h"
 
 #include <algorithm>
 

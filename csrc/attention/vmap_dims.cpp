@@ -22,7 +22,7 @@
 // A last dim that is not contiguous is made so: the fused kernels read rows
 // as contiguous without checking it (stock eager gets a wrong result, SDPA
 // itself never picks a fused kernel for such inputs).
-#include "attention/batch_fold.h"
+#include "attention/vmap_dims.h"
 
 #include <ATen/ops/constant_pad_nd.h>
 #include <c10/util/Exception.h>

@@ -1,4 +1,4 @@
-#include "ghost_norm/shape_checks.h"
+#include "dp/ghost_norm/shape_checks.h"
 
 #include <c10/util/Exception.h>
 

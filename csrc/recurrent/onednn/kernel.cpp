@@ -2,9 +2,9 @@
 // layer and its fused backward, as aten runs them for an eager nn.LSTM, and
 // the forward call routing also makes where nothing is differentiated
 // (onednn_lstm_forward). See Note [oneDNN's LSTM layer under transforms]
-// (lstm_kernel.cpp).
+// (onednn/kernel_choice.cpp).
 #include "ops.h"
-#include "recurrent/fused_lstm.h"
+#include "recurrent/onednn/layer.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>

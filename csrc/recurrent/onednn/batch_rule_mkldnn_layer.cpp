@@ -3,8 +3,8 @@
 // transforms]): shared weights fold the vmap dim into the rows, one fused
 // call; batched weights (ensembles) one call per member.
 #include "common/vmap_plumbing.h"
-#include "recurrent/batch_rules.h"
-#include "recurrent/fused_batching.h"
+#include "recurrent/onednn/batch_rules.h"
+#include "recurrent/onednn/batching.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>

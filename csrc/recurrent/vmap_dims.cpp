@@ -1,4 +1,4 @@
-#include "recurrent/batch_placement.h"
+#include "recurrent/vmap_dims.h"
 
 #include <ATen/ATen.h>
 

@@ -1,5 +1,5 @@
 // oneDNN's LSTM layer as routing uses it (Note [oneDNN's LSTM layer under
-// transforms], lstm_kernel.cpp).
+// transforms], onednn/kernel_choice.cpp).
 #pragma once
 
 #include "ops.h"

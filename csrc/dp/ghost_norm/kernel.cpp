@@ -19,7 +19,7 @@
 // calls it up to there.
 // Where AVX-512 is available float32 takes 4 x 4 blocks of rows instead
 // (Note [Gram blocks on AVX-512]).
-#include "ghost_norm/shape_checks.h"
+#include "dp/ghost_norm/shape_checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>

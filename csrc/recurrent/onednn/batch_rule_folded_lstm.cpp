@@ -15,8 +15,8 @@
 // training: vmap's randomness decides whether the samples share a mask, and
 // layers.cpp draws it under vmap.
 #include "common/vmap_plumbing.h"
-#include "recurrent/batch_rules.h"
-#include "recurrent/fused_batching.h"
+#include "recurrent/onednn/batch_rules.h"
+#include "recurrent/onednn/batching.h"
 #include "recurrent/layers.h"
 
 #include <ATen/ATen.h>

@@ -1,5 +1,5 @@
 // The Meta kernel of batchrules::ghost_norms_sq (FakeTensor, torch.compile).
-#include "ghost_norm/shape_checks.h"
+#include "dp/ghost_norm/shape_checks.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>

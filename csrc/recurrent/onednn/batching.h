@@ -3,7 +3,7 @@
 // has no group dim, and sums weight gradients over its rows. So a rule either
 // folds the vmap dim into the rows (forward with shared weights) or calls the
 // kernel once per example or member, the loop of fused calls a user would
-// write. See Note [oneDNN's LSTM layer under transforms] (lstm_kernel.cpp).
+// write. See Note [oneDNN's LSTM layer under transforms] (onednn/kernel_choice.cpp).
 #pragma once
 
 #include "common/batching_utils.h"
