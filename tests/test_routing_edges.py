@@ -13,11 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from routing_edges_cases import FAMILIES
 from torch import nn
 from torch.func import grad, jacrev, vmap
-
-import batchrules
-from routing_edges_cases import FAMILIES
 
 EXAMPLES = 30
 HERE = Path(__file__).parent
