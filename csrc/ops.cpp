@@ -31,8 +31,7 @@ const c10::TypedOperatorHandle<RnnRecurrenceSig>& rnn_recurrence_op() {
 }
 
 const c10::TypedOperatorHandle<RnnRecurrenceBackwardSig>& rnn_recurrence_backward_op() {
-  static const auto op =
-      find_op<RnnRecurrenceBackwardSig>("batchrules::rnn_recurrence_backward");
+  static const auto op = find_op<RnnRecurrenceBackwardSig>("batchrules::rnn_recurrence_backward");
   return op;
 }
 
@@ -46,14 +45,14 @@ const c10::TypedOperatorHandle<FusedLstmBackwardSig>& fused_lstm_layer_backward_
   return op;
 }
 
-#define BATCHRULES_DEFINE_ACTIVATION_OPS(name, ...)                                       \
-  const c10::TypedOperatorHandle<ActivationSig>& name##_op() {                            \
-    static const auto op = find_op<ActivationSig>("batchrules::" #name);                  \
-    return op;                                                                            \
-  }                                                                                       \
-  const c10::TypedOperatorHandle<ActivationBackwardSig>& name##_backward_op() {           \
+#define BATCHRULES_DEFINE_ACTIVATION_OPS(name, ...)                                          \
+  const c10::TypedOperatorHandle<ActivationSig>& name##_op() {                               \
+    static const auto op = find_op<ActivationSig>("batchrules::" #name);                     \
+    return op;                                                                               \
+  }                                                                                          \
+  const c10::TypedOperatorHandle<ActivationBackwardSig>& name##_backward_op() {              \
     static const auto op = find_op<ActivationBackwardSig>("batchrules::" #name "_backward"); \
-    return op;                                                                            \
+    return op;                                                                               \
   }
 BATCHRULES_ACTIVATIONS(BATCHRULES_DEFINE_ACTIVATION_OPS)
 #undef BATCHRULES_DEFINE_ACTIVATION_OPS
@@ -99,7 +98,7 @@ TORCH_LIBRARY(batchrules, m) {
   // Each activation: <name>(self) and <name>_backward(grad_output, self),
   // whose operands broadcast against each other as in aten::silu_backward.
 #define BATCHRULES_DEFINE_ACTIVATION_SCHEMAS(name, ...) \
-  m.def(#name "(Tensor self) -> Tensor");              \
+  m.def(#name "(Tensor self) -> Tensor");               \
   m.def(#name "_backward(Tensor grad_output, Tensor self) -> Tensor");
   BATCHRULES_ACTIVATIONS(BATCHRULES_DEFINE_ACTIVATION_SCHEMAS)
 #undef BATCHRULES_DEFINE_ACTIVATION_SCHEMAS

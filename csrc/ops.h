@@ -30,8 +30,8 @@ inline OptTensor maybe_defined(const Tensor& t) {
 }
 
 using LinearSig = Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&);
-using LinearBackwardSig =
-    TensorTriple(const Tensor&, const Tensor&, const Tensor&, std::array<bool, 3>);
+using LinearBackwardSig = TensorTriple(const Tensor&, const Tensor&, const Tensor&,
+                                       std::array<bool, 3>);
 
 const c10::TypedOperatorHandle<LinearSig>& linear_op();
 const c10::TypedOperatorHandle<LinearBackwardSig>& linear_backward_op();
@@ -40,9 +40,11 @@ const c10::TypedOperatorHandle<LinearBackwardSig>& linear_backward_op();
 using RnnRecurrenceSig = RecurrenceResult(const Tensor&, const Tensor&, const OptTensor&,
                                           const Tensor&, const OptTensor&, const OptTensor&,
                                           int64_t, bool);
-using RnnRecurrenceBackwardSig = RecurrenceGradsResult(
-    const OptTensor&, const OptTensor&, const OptTensor&, const Tensor&, const OptTensor&,
-    const Tensor&, const OptTensor&, const Tensor&, const Tensor&, int64_t, bool);
+using RnnRecurrenceBackwardSig = RecurrenceGradsResult(const OptTensor&, const OptTensor&,
+                                                       const OptTensor&, const Tensor&,
+                                                       const OptTensor&, const Tensor&,
+                                                       const OptTensor&, const Tensor&,
+                                                       const Tensor&, int64_t, bool);
 
 const c10::TypedOperatorHandle<RnnRecurrenceSig>& rnn_recurrence_op();
 const c10::TypedOperatorHandle<RnnRecurrenceBackwardSig>& rnn_recurrence_backward_op();
@@ -50,14 +52,14 @@ const c10::TypedOperatorHandle<RnnRecurrenceBackwardSig>& rnn_recurrence_backwar
 // oneDNN's LSTM layer with its own fused backward (recurrent/onednn/kernel.cpp);
 // its workspace is a list, one per fused call.
 using FusedLstmResult = std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>>;
-using FusedLstmSig = FusedLstmResult(const Tensor&, const Tensor&, const Tensor&,
-                                     const OptTensor&, const OptTensor&, const Tensor&,
-                                     const Tensor&, bool);
+using FusedLstmSig = FusedLstmResult(const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
+                                     const OptTensor&, const Tensor&, const Tensor&, bool);
 using FusedLstmGradsResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
-using FusedLstmBackwardSig = FusedLstmGradsResult(
-    const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&, const Tensor&,
-    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
-    const OptTensor&, at::TensorList, bool);
+using FusedLstmBackwardSig = FusedLstmGradsResult(const Tensor&, const Tensor&, const Tensor&,
+                                                  const OptTensor&, const OptTensor&, const Tensor&,
+                                                  const Tensor&, const Tensor&, const Tensor&,
+                                                  const Tensor&, const OptTensor&, const OptTensor&,
+                                                  const OptTensor&, at::TensorList, bool);
 
 const c10::TypedOperatorHandle<FusedLstmSig>& fused_lstm_layer_op();
 const c10::TypedOperatorHandle<FusedLstmBackwardSig>& fused_lstm_layer_backward_op();
@@ -68,19 +70,20 @@ const c10::TypedOperatorHandle<FusedLstmBackwardSig>& fused_lstm_layer_backward_
 using ActivationSig = Tensor(const Tensor&);
 using ActivationBackwardSig = Tensor(const Tensor&, const Tensor&);
 
-#define BATCHRULES_DECLARE_ACTIVATION_OPS(name, ...)      \
+#define BATCHRULES_DECLARE_ACTIVATION_OPS(name, ...)          \
   const c10::TypedOperatorHandle<ActivationSig>& name##_op(); \
   const c10::TypedOperatorHandle<ActivationBackwardSig>& name##_backward_op();
 BATCHRULES_ACTIVATIONS(BATCHRULES_DECLARE_ACTIVATION_OPS)
 #undef BATCHRULES_DECLARE_ACTIVATION_OPS
 
 inline Tensor dispatch_linear(const Tensor& input, const Tensor& weight,
-                     const std::optional<Tensor>& bias = std::nullopt) {
+                              const std::optional<Tensor>& bias = std::nullopt) {
   return linear_op().call(input, weight, bias);
 }
 
 inline TensorTriple dispatch_linear_backward(const Tensor& self, const Tensor& grad_output,
-                                    const Tensor& weight, std::array<bool, 3> output_mask) {
+                                             const Tensor& weight,
+                                             std::array<bool, 3> output_mask) {
   return linear_backward_op().call(self, grad_output, weight, output_mask);
 }
 

@@ -25,8 +25,8 @@
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <pybind11/gil_safe_call_once.h>
-#include <torch/csrc/autograd/python_variable.h>
 #include <pybind11/pybind11.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 namespace {
 
@@ -72,8 +72,11 @@ py::object linear_entry(py::handle input, py::handle weight, py::handle bias) {
   PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> boxed;
   const py::object& op = boxed
                              .call_once_and_store_result([] {
-                               return py::module_::import("torch").attr("ops").attr(
-                                   "batchrules").attr("linear").attr("default");
+                               return py::module_::import("torch")
+                                   .attr("ops")
+                                   .attr("batchrules")
+                                   .attr("linear")
+                                   .attr("default");
                              })
                              .get_stored();
   return op(input, weight, bias);
@@ -97,8 +100,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "transforms (process-wide).");
   m.def("_routing_enabled", &batchrules::routing_enabled,
         "Whether the routes of every op family are registered (see routing.py).");
-  m.def("_mkl_gemm_beats_onednn", &batchrules::mkl_gemm_beats_onednn,
-        "Whether aten's MKL GEMM is preferred to oneDNN's here (Note [MKL or oneDNN by CPU vendor])");
+  m.def(
+      "_mkl_gemm_beats_onednn", &batchrules::mkl_gemm_beats_onednn,
+      "Whether aten's MKL GEMM is preferred to oneDNN's here (Note [MKL or oneDNN by CPU vendor])");
   m.def("_mkl_packed_gemm", &batchrules::mkl_packed_gemm,
         "Whether recurrences pack W_hh once for all steps (Note [One packed W_hh for all steps])");
   // See Note [Eager entry of batchrules.linear].

@@ -13,6 +13,6 @@
 //   formula           f(input) in Python, for the docstrings
 #pragma once
 
-#define BATCHRULES_ACTIVATIONS(_)                                   \
+#define BATCHRULES_ACTIVATIONS(_)                                    \
   _(silu, Silu, /*supports_complex=*/true, "input * sigmoid(input)") \
   _(mish, Mish, /*supports_complex=*/false, "input * tanh(softplus(input))")

@@ -93,8 +93,8 @@ Tensor activation_backward_autograd(c10::DispatchKeySet ks, const Tensor& grad_o
 }  // namespace
 
 TORCH_LIBRARY_IMPL(batchrules, Autograd, m) {
-#define BATCHRULES_REGISTER_ACTIVATION(name, Name, ...)                     \
-  m.impl(#name, TORCH_FN(activation_autograd<k##Name>));                    \
+#define BATCHRULES_REGISTER_ACTIVATION(name, Name, ...)  \
+  m.impl(#name, TORCH_FN(activation_autograd<k##Name>)); \
   m.impl(#name "_backward", TORCH_FN(activation_backward_autograd<k##Name>));
   BATCHRULES_ACTIVATIONS(BATCHRULES_REGISTER_ACTIVATION)
 #undef BATCHRULES_REGISTER_ACTIVATION

@@ -27,8 +27,7 @@ BatchedResult activation_batch_rule(const Activation& act, const Tensor& self,
 
 BatchedResult activation_backward_batch_rule(const Activation& act, const Tensor& grad_output,
                                              std::optional<int64_t> grad_output_bdim,
-                                             const Tensor& self,
-                                             std::optional<int64_t> self_bdim) {
+                                             const Tensor& self, std::optional<int64_t> self_bdim) {
   TORCH_INTERNAL_ASSERT(grad_output_bdim.has_value() || self_bdim.has_value());
   check_activation_backward_shapes(act, logical_sizes(grad_output, grad_output_bdim),
                                    logical_sizes(self, self_bdim));

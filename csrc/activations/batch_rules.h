@@ -14,7 +14,6 @@ BatchedResult activation_batch_rule(const Activation& act, const Tensor& self,
 
 BatchedResult activation_backward_batch_rule(const Activation& act, const Tensor& grad_output,
                                              std::optional<int64_t> grad_output_bdim,
-                                             const Tensor& self,
-                                             std::optional<int64_t> self_bdim);
+                                             const Tensor& self, std::optional<int64_t> self_bdim);
 
 }  // namespace batchrules

@@ -38,8 +38,8 @@ Tensor activation_backward_batched(const Tensor& grad_output, const Tensor& self
 }  // namespace
 
 TORCH_LIBRARY_IMPL(batchrules, FuncTorchBatched, m) {
-#define BATCHRULES_REGISTER_ACTIVATION(name, Name, ...)                    \
-  m.impl(#name, TORCH_FN(activation_batched<k##Name>));                    \
+#define BATCHRULES_REGISTER_ACTIVATION(name, Name, ...) \
+  m.impl(#name, TORCH_FN(activation_batched<k##Name>)); \
   m.impl(#name "_backward", TORCH_FN(activation_backward_batched<k##Name>));
   BATCHRULES_ACTIVATIONS(BATCHRULES_REGISTER_ACTIVATION)
 #undef BATCHRULES_REGISTER_ACTIVATION

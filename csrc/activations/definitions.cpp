@@ -29,22 +29,21 @@ Tensor mish_times_second_derivative(const Tensor& grad, const Tensor& self) {
 
 }  // namespace
 
-#define BATCHRULES_DEFINE_ACTIVATION(name, Name, supports_complex, formula)                 \
-  const Activation k##Name{                                                                \
-      #name,                                                                               \
-      "batchrules." #name,                                                                 \
-      "batchrules." #name "_backward",                                                     \
-      "Batchrules" #Name "Backward0",                                                      \
-      "Batchrules" #Name "BackwardBackward0",                                              \
-      supports_complex,                                                                    \
-      formula,                                                                             \
-      &name##_op,                                                                          \
-      &name##_backward_op,                                                                 \
-      [](const Tensor& self) { return at::name(self); },                                   \
-      [](const Tensor& grad_output, const Tensor& self) {                                  \
-        return at::name##_backward(grad_output, self);                                     \
-      },                                                                                   \
-      &name##_times_second_derivative};
+#define BATCHRULES_DEFINE_ACTIVATION(name, Name, supports_complex, formula)    \
+  const Activation k##Name{#name,                                              \
+                           "batchrules." #name,                                \
+                           "batchrules." #name "_backward",                    \
+                           "Batchrules" #Name "Backward0",                     \
+                           "Batchrules" #Name "BackwardBackward0",             \
+                           supports_complex,                                   \
+                           formula,                                            \
+                           &name##_op,                                         \
+                           &name##_backward_op,                                \
+                           [](const Tensor& self) { return at::name(self); },  \
+                           [](const Tensor& grad_output, const Tensor& self) { \
+                             return at::name##_backward(grad_output, self);    \
+                           },                                                  \
+                           &name##_times_second_derivative};
 BATCHRULES_ACTIVATIONS(BATCHRULES_DEFINE_ACTIVATION)
 #undef BATCHRULES_DEFINE_ACTIVATION
 

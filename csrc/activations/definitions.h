@@ -31,9 +31,9 @@
 namespace batchrules {
 
 struct Activation {
-  const char* op_name;        // "silu": batchrules::silu, and the aten::silu it routes
-  const char* name;           // "batchrules.silu", for messages
-  const char* backward_name;  // "batchrules.silu_backward"
+  const char* op_name;               // "silu": batchrules::silu, and the aten::silu it routes
+  const char* name;                  // "batchrules.silu", for messages
+  const char* backward_name;         // "batchrules.silu_backward"
   const char* backward_node;         // autograd node of the forward op
   const char* double_backward_node;  // autograd node of the backward op
   bool supports_complex;             // forward kernels (as ATen's; never autograd)

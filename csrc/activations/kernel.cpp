@@ -31,8 +31,8 @@ Tensor activation_backward_kernel(const Tensor& grad_output, const Tensor& self)
 }  // namespace
 
 TORCH_LIBRARY_IMPL(batchrules, CompositeExplicitAutograd, m) {
-#define BATCHRULES_REGISTER_ACTIVATION(name, Name, ...)                   \
-  m.impl(#name, TORCH_FN(activation_kernel<k##Name>));                    \
+#define BATCHRULES_REGISTER_ACTIVATION(name, Name, ...) \
+  m.impl(#name, TORCH_FN(activation_kernel<k##Name>));  \
   m.impl(#name "_backward", TORCH_FN(activation_backward_kernel<k##Name>));
   BATCHRULES_ACTIVATIONS(BATCHRULES_REGISTER_ACTIVATION)
 #undef BATCHRULES_REGISTER_ACTIVATION

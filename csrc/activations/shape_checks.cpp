@@ -9,8 +9,8 @@ namespace batchrules {
 void check_activation_dtype(const Activation& act, const char* op, const at::Tensor& t,
                             const char* name) {
   const auto dtype = t.scalar_type();
-  TORCH_CHECK(at::isFloatingType(dtype) || (act.supports_complex && at::isComplexType(dtype)),
-              op, ": expected ", name, " to be a floating-point",
+  TORCH_CHECK(at::isFloatingType(dtype) || (act.supports_complex && at::isComplexType(dtype)), op,
+              ": expected ", name, " to be a floating-point",
               act.supports_complex ? " or complex" : "", " tensor, but got ", dtype);
 }
 

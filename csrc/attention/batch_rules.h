@@ -18,9 +18,8 @@ using BatchedTriple = std::tuple<Tensor, Bdim, Tensor, Bdim, Tensor, Bdim>;
 using BatchedQuad = std::tuple<Tensor, Bdim, Tensor, Bdim, Tensor, Bdim, Tensor, Bdim>;
 
 // aten::_scaled_dot_product_flash_attention_for_cpu -> (out, logsumexp)
-BatchedPair flash_attention_cpu_batch_rule(const Tensor& query, Bdim query_bdim,
-                                           const Tensor& key, Bdim key_bdim,
-                                           const Tensor& value, Bdim value_bdim,
+BatchedPair flash_attention_cpu_batch_rule(const Tensor& query, Bdim query_bdim, const Tensor& key,
+                                           Bdim key_bdim, const Tensor& value, Bdim value_bdim,
                                            double dropout_p, bool is_causal,
                                            const std::optional<Tensor>& attn_mask,
                                            Bdim attn_mask_bdim, std::optional<double> scale);
@@ -29,26 +28,24 @@ BatchedPair flash_attention_cpu_batch_rule(const Tensor& query, Bdim query_bdim,
 BatchedTriple flash_attention_cpu_backward_batch_rule(
     const Tensor& grad_out, Bdim grad_out_bdim, const Tensor& query, Bdim query_bdim,
     const Tensor& key, Bdim key_bdim, const Tensor& value, Bdim value_bdim, const Tensor& out,
-    Bdim out_bdim, const Tensor& logsumexp, Bdim logsumexp_bdim, double dropout_p,
-    bool is_causal, const std::optional<Tensor>& attn_mask, Bdim attn_mask_bdim,
-    std::optional<double> scale);
+    Bdim out_bdim, const Tensor& logsumexp, Bdim logsumexp_bdim, double dropout_p, bool is_causal,
+    const std::optional<Tensor>& attn_mask, Bdim attn_mask_bdim, std::optional<double> scale);
 
 // aten::_scaled_dot_product_flash_attention_backward (CUDA) -> (gq, gk, gv)
 BatchedTriple flash_attention_backward_batch_rule(
     const Tensor& grad_out, Bdim grad_out_bdim, const Tensor& query, Bdim query_bdim,
     const Tensor& key, Bdim key_bdim, const Tensor& value, Bdim value_bdim, const Tensor& out,
     Bdim out_bdim, const Tensor& logsumexp, Bdim logsumexp_bdim, const Tensor& cum_seq_q,
-    const Tensor& cum_seq_k, const c10::SymInt& max_q, const c10::SymInt& max_k,
-    double dropout_p, bool is_causal, const Tensor& philox_seed, const Tensor& philox_offset,
+    const Tensor& cum_seq_k, const c10::SymInt& max_q, const c10::SymInt& max_k, double dropout_p,
+    bool is_causal, const Tensor& philox_seed, const Tensor& philox_offset,
     std::optional<double> scale);
 
 // aten::_scaled_dot_product_efficient_attention (CUDA) -> (out, logsumexp,
 // philox_seed, philox_offset); replaces functorch's rule, which folds a
 // batched bias without aligning its batch to the query's
 // (batch_rule_cuda_forward.cpp).
-BatchedQuad efficient_attention_batch_rule(const Tensor& query, Bdim query_bdim,
-                                           const Tensor& key, Bdim key_bdim,
-                                           const Tensor& value, Bdim value_bdim,
+BatchedQuad efficient_attention_batch_rule(const Tensor& query, Bdim query_bdim, const Tensor& key,
+                                           Bdim key_bdim, const Tensor& value, Bdim value_bdim,
                                            const std::optional<Tensor>& attn_bias,
                                            Bdim attn_bias_bdim, bool compute_log_sumexp,
                                            double dropout_p, bool is_causal,
@@ -57,11 +54,10 @@ BatchedQuad efficient_attention_batch_rule(const Tensor& query, Bdim query_bdim,
 // aten::_scaled_dot_product_efficient_attention_backward (CUDA) -> (gq, gk, gv, g_bias)
 BatchedQuad efficient_attention_backward_batch_rule(
     const Tensor& grad_out, Bdim grad_out_bdim, const Tensor& query, Bdim query_bdim,
-    const Tensor& key, Bdim key_bdim, const Tensor& value, Bdim value_bdim,
-    const Tensor& attn_bias, Bdim attn_bias_bdim, const Tensor& out, Bdim out_bdim,
-    const Tensor& logsumexp, Bdim logsumexp_bdim, const Tensor& philox_seed,
-    const Tensor& philox_offset, double dropout_p, std::array<bool, 4> grad_input_mask,
-    bool is_causal, std::optional<double> scale);
+    const Tensor& key, Bdim key_bdim, const Tensor& value, Bdim value_bdim, const Tensor& attn_bias,
+    Bdim attn_bias_bdim, const Tensor& out, Bdim out_bdim, const Tensor& logsumexp,
+    Bdim logsumexp_bdim, const Tensor& philox_seed, const Tensor& philox_offset, double dropout_p,
+    std::array<bool, 4> grad_input_mask, bool is_causal, std::optional<double> scale);
 
 // aten::_scaled_dot_product_cudnn_attention (CUDA): the nine outputs, each
 // tensor with its bdim; replaces functorch's rule like the efficient one.
@@ -69,13 +65,12 @@ using CudnnForwardResult =
     std::tuple<Tensor, Bdim, Tensor, Bdim, Tensor, Bdim, Tensor, Bdim, c10::SymInt, c10::SymInt,
                Tensor, Bdim, Tensor, Bdim, Tensor, Bdim>;
 CudnnForwardResult cudnn_attention_batch_rule(const Tensor& query, Bdim query_bdim,
-                                              const Tensor& key, Bdim key_bdim,
-                                              const Tensor& value, Bdim value_bdim,
+                                              const Tensor& key, Bdim key_bdim, const Tensor& value,
+                                              Bdim value_bdim,
                                               const std::optional<Tensor>& attn_bias,
                                               Bdim attn_bias_bdim, bool compute_log_sumexp,
                                               double dropout_p, bool is_causal,
-                                              bool return_debug_mask,
-                                              std::optional<double> scale);
+                                              bool return_debug_mask, std::optional<double> scale);
 
 // aten::_scaled_dot_product_cudnn_attention_backward (CUDA) -> (gq, gk, gv)
 BatchedTriple cudnn_attention_backward_batch_rule(

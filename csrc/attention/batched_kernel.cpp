@@ -44,8 +44,8 @@ std::tuple<Tensor, Tensor> flash_attention_cpu_batched(const Tensor& query, cons
   const BatchedKernelScope scope("aten._scaled_dot_product_flash_attention_for_cpu");
   const int64_t level = scope.level();
   if (!any_batched_at(level, query, key, value, attn_mask)) {
-    return at::_scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p,
-                                                           is_causal, attn_mask, scale);
+    return at::_scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
+                                                           attn_mask, scale);
   }
   auto [q, q_bdim] = unwrap_at(query, level);
   auto [k, k_bdim] = unwrap_at(key, level);
@@ -77,10 +77,9 @@ std::tuple<Tensor, Tensor, Tensor> flash_attention_cpu_backward_batched(
   auto [lse, lse_bdim] = unwrap_at(logsumexp, level);
   auto [m, m_bdim] = unwrap_at(attn_mask, level);
   auto [gq, gq_bdim, gk, gk_bdim, gv, gv_bdim] = flash_attention_cpu_backward_batch_rule(
-      g, g_bdim, q, q_bdim, k, k_bdim, v, v_bdim, o, o_bdim, lse, lse_bdim, dropout_p,
-      is_causal, m, m_bdim, scale);
-  return {wrap_at(gq, gq_bdim, level), wrap_at(gk, gk_bdim, level),
-          wrap_at(gv, gv_bdim, level)};
+      g, g_bdim, q, q_bdim, k, k_bdim, v, v_bdim, o, o_bdim, lse, lse_bdim, dropout_p, is_causal, m,
+      m_bdim, scale);
+  return {wrap_at(gq, gq_bdim, level), wrap_at(gk, gk_bdim, level), wrap_at(gv, gv_bdim, level)};
 }
 
 std::tuple<Tensor, Tensor, Tensor> flash_attention_backward_batched(
@@ -93,8 +92,8 @@ std::tuple<Tensor, Tensor, Tensor> flash_attention_backward_batched(
   const int64_t level = scope.level();
   if (!any_batched_at(level, grad_out, query, key, value, out, logsumexp)) {
     return at::_scaled_dot_product_flash_attention_backward_symint(
-        grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
-        dropout_p, is_causal, philox_seed, philox_offset, scale);
+        grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+        is_causal, philox_seed, philox_offset, scale);
   }
   auto [g, g_bdim] = unwrap_at(grad_out, level);
   auto [q, q_bdim] = unwrap_at(query, level);
@@ -107,8 +106,7 @@ std::tuple<Tensor, Tensor, Tensor> flash_attention_backward_batched(
       call_wide(op, "cum_seq_q", cum_seq_q, level), call_wide(op, "cum_seq_k", cum_seq_k, level),
       max_q, max_k, dropout_p, is_causal, call_wide(op, "philox_seed", philox_seed, level),
       call_wide(op, "philox_offset", philox_offset, level), scale);
-  return {wrap_at(gq, gq_bdim, level), wrap_at(gk, gk_bdim, level),
-          wrap_at(gv, gv_bdim, level)};
+  return {wrap_at(gq, gq_bdim, level), wrap_at(gk, gk_bdim, level), wrap_at(gv, gv_bdim, level)};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention_batched(
@@ -118,26 +116,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention_batched(
   const BatchedKernelScope scope("aten._scaled_dot_product_efficient_attention");
   const int64_t level = scope.level();
   if (!any_batched_at(level, query, key, value, attn_bias)) {
-    return at::_scaled_dot_product_efficient_attention(query, key, value, attn_bias,
-                                                       compute_log_sumexp, dropout_p, is_causal,
-                                                       scale);
+    return at::_scaled_dot_product_efficient_attention(
+        query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, scale);
   }
   auto [q, q_bdim] = unwrap_at(query, level);
   auto [k, k_bdim] = unwrap_at(key, level);
   auto [v, v_bdim] = unwrap_at(value, level);
   auto [b, b_bdim] = unwrap_at(attn_bias, level);
   auto [out, out_bdim, lse, lse_bdim, seed, seed_bdim, offset, offset_bdim] =
-      efficient_attention_batch_rule(q, q_bdim, k, k_bdim, v, v_bdim, b, b_bdim,
-                                     compute_log_sumexp, dropout_p, is_causal, scale);
+      efficient_attention_batch_rule(q, q_bdim, k, k_bdim, v, v_bdim, b, b_bdim, compute_log_sumexp,
+                                     dropout_p, is_causal, scale);
   return {wrap_at(out, out_bdim, level), wrap_at(lse, lse_bdim, level),
           wrap_at(seed, seed_bdim, level), wrap_at(offset, offset_bdim, level)};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention_backward_batched(
     const Tensor& grad_out, const Tensor& query, const Tensor& key, const Tensor& value,
-    const Tensor& attn_bias, const Tensor& out, const Tensor& logsumexp,
-    const Tensor& philox_seed, const Tensor& philox_offset, double dropout_p,
-    std::array<bool, 4> grad_input_mask, bool is_causal, std::optional<double> scale) {
+    const Tensor& attn_bias, const Tensor& out, const Tensor& logsumexp, const Tensor& philox_seed,
+    const Tensor& philox_offset, double dropout_p, std::array<bool, 4> grad_input_mask,
+    bool is_causal, std::optional<double> scale) {
   constexpr const char* op = "aten._scaled_dot_product_efficient_attention_backward";
   const BatchedKernelScope scope(op);
   const int64_t level = scope.level();
@@ -155,11 +152,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention_backward_batched(
   auto [o, o_bdim] = unwrap_at(out, level);
   auto [lse, lse_bdim] = unwrap_at(logsumexp, level);
   auto [gq, gq_bdim, gk, gk_bdim, gv, gv_bdim, gb, gb_bdim] =
-      efficient_attention_backward_batch_rule(
-          g, g_bdim, q, q_bdim, k, k_bdim, v, v_bdim, b, b_bdim, o, o_bdim, lse, lse_bdim,
-          call_wide(op, "philox_seed", philox_seed, level),
-          call_wide(op, "philox_offset", philox_offset, level), dropout_p, grad_input_mask,
-          is_causal, scale);
+      efficient_attention_backward_batch_rule(g, g_bdim, q, q_bdim, k, k_bdim, v, v_bdim, b, b_bdim,
+                                              o, o_bdim, lse, lse_bdim,
+                                              call_wide(op, "philox_seed", philox_seed, level),
+                                              call_wide(op, "philox_offset", philox_offset, level),
+                                              dropout_p, grad_input_mask, is_causal, scale);
   return {wrap_at(gq, gq_bdim, level), wrap_at(gk, gk_bdim, level), wrap_at(gv, gv_bdim, level),
           wrap_at(gb, gb_bdim, level)};
 }
@@ -172,9 +169,8 @@ cudnn_attention_batched(const Tensor& query, const Tensor& key, const Tensor& va
   const BatchedKernelScope scope("aten._scaled_dot_product_cudnn_attention");
   const int64_t level = scope.level();
   if (!any_batched_at(level, query, key, value, attn_bias)) {
-    return at::_scaled_dot_product_cudnn_attention(query, key, value, attn_bias,
-                                                         compute_log_sumexp, dropout_p,
-                                                         is_causal, return_debug_mask, scale);
+    return at::_scaled_dot_product_cudnn_attention(query, key, value, attn_bias, compute_log_sumexp,
+                                                   dropout_p, is_causal, return_debug_mask, scale);
   }
   auto [q, q_bdim] = unwrap_at(query, level);
   auto [k, k_bdim] = unwrap_at(key, level);
@@ -184,10 +180,14 @@ cudnn_attention_batched(const Tensor& query, const Tensor& key, const Tensor& va
         seed_bdim, offset, offset_bdim, debug, debug_bdim] =
       cudnn_attention_batch_rule(q, q_bdim, k, k_bdim, v, v_bdim, b, b_bdim, compute_log_sumexp,
                                  dropout_p, is_causal, return_debug_mask, scale);
-  return {wrap_at(out, out_bdim, level),       wrap_at(lse, lse_bdim, level),
-          wrap_at(cum_q, cum_q_bdim, level),   wrap_at(cum_k, cum_k_bdim, level),
-          max_q,                               max_k,
-          wrap_at(seed, seed_bdim, level),     wrap_at(offset, offset_bdim, level),
+  return {wrap_at(out, out_bdim, level),
+          wrap_at(lse, lse_bdim, level),
+          wrap_at(cum_q, cum_q_bdim, level),
+          wrap_at(cum_k, cum_k_bdim, level),
+          max_q,
+          max_k,
+          wrap_at(seed, seed_bdim, level),
+          wrap_at(offset, offset_bdim, level),
           wrap_at(debug, debug_bdim, level)};
 }
 
@@ -195,8 +195,8 @@ std::tuple<Tensor, Tensor, Tensor> cudnn_attention_backward_batched(
     const Tensor& grad_out, const Tensor& query, const Tensor& key, const Tensor& value,
     const Tensor& out, const Tensor& logsumexp, const Tensor& philox_seed,
     const Tensor& philox_offset, const Tensor& attn_bias, const Tensor& cum_seq_q,
-    const Tensor& cum_seq_k, c10::SymInt max_q, c10::SymInt max_k, double dropout_p,
-    bool is_causal, std::optional<double> scale) {
+    const Tensor& cum_seq_k, c10::SymInt max_q, c10::SymInt max_k, double dropout_p, bool is_causal,
+    std::optional<double> scale) {
   constexpr const char* op = "aten._scaled_dot_product_cudnn_attention_backward";
   const BatchedKernelScope scope(op);
   const int64_t level = scope.level();
@@ -219,8 +219,7 @@ std::tuple<Tensor, Tensor, Tensor> cudnn_attention_backward_batched(
       call_wide(op, "philox_offset", philox_offset, level), b, b_bdim,
       call_wide(op, "cum_seq_q", cum_seq_q, level), call_wide(op, "cum_seq_k", cum_seq_k, level),
       max_q, max_k, dropout_p, is_causal, scale);
-  return {wrap_at(gq, gq_bdim, level), wrap_at(gk, gk_bdim, level),
-          wrap_at(gv, gv_bdim, level)};
+  return {wrap_at(gq, gq_bdim, level), wrap_at(gk, gk_bdim, level), wrap_at(gv, gv_bdim, level)};
 }
 
 }  // namespace batchrules

@@ -38,9 +38,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention_batched(
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention_backward_batched(
     const Tensor& grad_out, const Tensor& query, const Tensor& key, const Tensor& value,
-    const Tensor& attn_bias, const Tensor& out, const Tensor& logsumexp,
-    const Tensor& philox_seed, const Tensor& philox_offset, double dropout_p,
-    std::array<bool, 4> grad_input_mask, bool is_causal, std::optional<double> scale);
+    const Tensor& attn_bias, const Tensor& out, const Tensor& logsumexp, const Tensor& philox_seed,
+    const Tensor& philox_offset, double dropout_p, std::array<bool, 4> grad_input_mask,
+    bool is_causal, std::optional<double> scale);
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, c10::SymInt, c10::SymInt, Tensor, Tensor, Tensor>
 cudnn_attention_batched(const Tensor& query, const Tensor& key, const Tensor& value,
@@ -52,7 +52,7 @@ std::tuple<Tensor, Tensor, Tensor> cudnn_attention_backward_batched(
     const Tensor& grad_out, const Tensor& query, const Tensor& key, const Tensor& value,
     const Tensor& out, const Tensor& logsumexp, const Tensor& philox_seed,
     const Tensor& philox_offset, const Tensor& attn_bias, const Tensor& cum_seq_q,
-    const Tensor& cum_seq_k, c10::SymInt max_q, c10::SymInt max_k, double dropout_p,
-    bool is_causal, std::optional<double> scale);
+    const Tensor& cum_seq_k, c10::SymInt max_q, c10::SymInt max_k, double dropout_p, bool is_causal,
+    std::optional<double> scale);
 
 }  // namespace batchrules

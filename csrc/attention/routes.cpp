@@ -43,16 +43,15 @@ std::optional<Tensor> additive_mask(const std::optional<Tensor>& mask, const Ten
 
 Tensor routed_scaled_dot_product_attention(const Tensor& query, const Tensor& key,
                                            const Tensor& value,
-                                           const std::optional<Tensor>& attn_mask,
-                                           double dropout_p, bool is_causal,
-                                           std::optional<double> scale, bool enable_gqa) {
+                                           const std::optional<Tensor>& attn_mask, double dropout_p,
+                                           bool is_causal, std::optional<double> scale,
+                                           bool enable_gqa) {
   // This route replaces aten's op above its Autocast kernel, so it applies that
   // kernel's policy itself: Note [Autocast policy of batchrules' operators].
   if (autocast_enabled_for(query)) {
     const LowerPrecisionCast cast(query.device().type());
-    return routed_scaled_dot_product_attention(cast(query), cast(key), cast(value),
-                                               cast(attn_mask), dropout_p, is_causal, scale,
-                                               enable_gqa);
+    return routed_scaled_dot_product_attention(cast(query), cast(key), cast(value), cast(attn_mask),
+                                               dropout_p, is_causal, scale, enable_gqa);
   }
   if (higher_order_transforms()) {
     return std::get<0>(at::_scaled_dot_product_attention_math(

@@ -16,10 +16,11 @@ c10::SymInt check_attention_operands(const char* op,
       continue;
     }
     const c10::SymDimVector shape = logical_sizes(o.tensor, o.bdim);
-    TORCH_CHECK(o.rank == 0 || static_cast<int64_t>(shape.size()) == o.rank, op, ": expected ", o.name,
-                " of one example to be ", o.rank, "-D (batch, heads, ...), but got shape ",
+    TORCH_CHECK(o.rank == 0 || static_cast<int64_t>(shape.size()) == o.rank, op, ": expected ",
+                o.name, " of one example to be ", o.rank, "-D (batch, heads, ...), but got shape ",
                 c10::SymIntArrayRef(shape));
-    TORCH_CHECK(!shape.empty(), op, ": expected ", o.name, " of one example to have a batch dim, but it is 0-D");
+    TORCH_CHECK(!shape.empty(), op, ": expected ", o.name,
+                " of one example to have a batch dim, but it is 0-D");
     if (!batch.has_value()) {
       batch = shape[0];
       batch_from = o.name;

@@ -45,9 +45,8 @@ Tensor repeat_preserving_layout(const Tensor& t, const c10::SymInt& n) {
   const int64_t rank = t.dim();
   std::vector<int64_t> order(rank);
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return t.sym_stride(a) > t.sym_stride(b);
-  });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return t.sym_stride(a) > t.sym_stride(b); });
   const Tensor in_memory_order = t.permute(order);
   c10::SymDimVector sizes(in_memory_order.sym_sizes().begin(), in_memory_order.sym_sizes().end());
   sizes.insert(sizes.begin(), n);
@@ -72,8 +71,8 @@ Tensor fold_batch(const Tensor& t, std::optional<int64_t> bdim, const c10::SymIn
   if (!t.defined()) {
     return t;
   }
-  const Tensor front = bdim.has_value() ? move_bdim_to_front(t, bdim)
-                                        : repeat_preserving_layout(t, n);
+  const Tensor front =
+      bdim.has_value() ? move_bdim_to_front(t, bdim) : repeat_preserving_layout(t, n);
   return with_contiguous_rows(flatten_front(front));
 }
 

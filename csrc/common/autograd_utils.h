@@ -20,8 +20,10 @@ namespace batchrules {
 
 // Sum of two partial gradients, either of which may be undefined (absent).
 inline at::Tensor add_defined(const at::Tensor& a, const at::Tensor& b) {
-  if (!a.defined()) return b;
-  if (!b.defined()) return a;
+  if (!a.defined())
+    return b;
+  if (!b.defined())
+    return a;
   return a + b;
 }
 

@@ -132,8 +132,8 @@ inline Tensor unfold_leading_dims(const Tensor& t, const Tensor& like) {
 // is the product of the logical leading dims; an unbatched [*lead, F] is
 // expanded to that shape (stride 0, not copied), for one bmm with a batched
 // operand.
-inline Tensor batch_first_3d(const Tensor& t, std::optional<int64_t> bdim,
-                             const c10::SymInt& batch, const c10::SymInt& rows) {
+inline Tensor batch_first_3d(const Tensor& t, std::optional<int64_t> bdim, const c10::SymInt& batch,
+                             const c10::SymInt& rows) {
   if (!bdim.has_value()) {
     return fold_leading_dims(t).expand_symint({batch, rows, t.sym_size(-1)});
   }

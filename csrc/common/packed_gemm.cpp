@@ -25,7 +25,7 @@ namespace {
 
 // MKL's CBLAS enum values.
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMatrix = 162;
-constexpr int64_t kAlignment = 64;  // each member's packed copy starts on a cache line
+constexpr int64_t kAlignment = 64;           // each member's packed copy starts on a cache line
 constexpr int64_t kMinPackedMacs = 1 << 20;  // rows x K x M; see the Note
 
 bool fits_int(std::initializer_list<int64_t> values) {
@@ -96,12 +96,11 @@ void PackedRhs::mm_out(const at::Tensor& a, const at::Tensor& out, bool accumula
   float* c_data = out.data_ptr<float>();
   const uint8_t* b_data = packed_.data_ptr<uint8_t>();
   for (int64_t e = 0; e < E; ++e) {
-    cblas_sgemm_compute(kRowMajor, kNoTrans, kPacked, static_cast<int>(rows_),
-                        static_cast<int>(m_), static_cast<int>(k_), a_data + e * lhs.stride(0),
-                        static_cast<int>(lda),
+    cblas_sgemm_compute(kRowMajor, kNoTrans, kPacked, static_cast<int>(rows_), static_cast<int>(m_),
+                        static_cast<int>(k_), a_data + e * lhs.stride(0), static_cast<int>(lda),
                         reinterpret_cast<const float*>(b_data + e * member_bytes_),
-                        static_cast<int>(k_), accumulate ? 1.0f : 0.0f,
-                        c_data + e * out.stride(0), static_cast<int>(ldc));
+                        static_cast<int>(k_), accumulate ? 1.0f : 0.0f, c_data + e * out.stride(0),
+                        static_cast<int>(ldc));
   }
 }
 

@@ -33,9 +33,7 @@ class PackedRhs {
   // float32 on the CPU with a unit stride in one of its last two dims.
   static PackedRhs pack(const at::Tensor& b, int64_t rows, int64_t uses);
 
-  bool defined() const {
-    return packed_.defined();
-  }
+  bool defined() const { return packed_.defined(); }
 
   // out[e] = a[e] b[e], or out[e] += a[e] b[e] when `accumulate`:
   // E,N,K x E,K,M -> E,N,M; out's rows have a unit stride (a is made so).

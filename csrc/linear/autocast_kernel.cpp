@@ -40,12 +40,12 @@ TensorTriple linear_backward_autocast(const Tensor& self, const Tensor& grad_out
 TORCH_LIBRARY_FRAGMENT(batchrules, m) {
   using c10::DeviceType;
   using c10::DispatchKey;
-  m.impl("linear", torch::dispatch(DispatchKey::AutocastCPU,
-                                   TORCH_FN(linear_autocast<DeviceType::CPU>)));
+  m.impl("linear",
+         torch::dispatch(DispatchKey::AutocastCPU, TORCH_FN(linear_autocast<DeviceType::CPU>)));
   m.impl("linear_backward", torch::dispatch(DispatchKey::AutocastCPU,
                                             TORCH_FN(linear_backward_autocast<DeviceType::CPU>)));
-  m.impl("linear", torch::dispatch(DispatchKey::AutocastCUDA,
-                                   TORCH_FN(linear_autocast<DeviceType::CUDA>)));
+  m.impl("linear",
+         torch::dispatch(DispatchKey::AutocastCUDA, TORCH_FN(linear_autocast<DeviceType::CUDA>)));
   m.impl("linear_backward", torch::dispatch(DispatchKey::AutocastCUDA,
                                             TORCH_FN(linear_backward_autocast<DeviceType::CUDA>)));
 }

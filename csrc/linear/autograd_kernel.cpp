@@ -114,8 +114,8 @@ TensorTriple linear_backward_autograd(c10::DispatchKeySet ks, const Tensor& self
                                             output_mask[1] && dx.defined(), false};
     if (cross_mask[0] || cross_mask[1]) {
       // Only shapes are read from the placeholder operands of unmasked outputs.
-      auto [ti, tw, tb] = dispatch_linear_backward(dx.defined() ? dx : x, g, dw.defined() ? dw : w,
-                                          cross_mask);
+      auto [ti, tw, tb] =
+          dispatch_linear_backward(dx.defined() ? dx : x, g, dw.defined() ? dw : w, cross_mask);
       std::get<0>(t) = add_defined(std::get<0>(t), ti);
       std::get<1>(t) = add_defined(std::get<1>(t), tw);
     }

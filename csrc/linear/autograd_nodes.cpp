@@ -103,7 +103,8 @@ variable_list LinearBackwardBackward0::apply(variable_list&& grads) {
     result[1] = std::move(g);
   }
   if (need_weight && ggi.defined()) {
-    result[2] = std::get<1>(dispatch_linear_backward(ggi, grad_output, weight, {false, true, false}));
+    result[2] =
+        std::get<1>(dispatch_linear_backward(ggi, grad_output, weight, {false, true, false}));
   }
   return result;
 }

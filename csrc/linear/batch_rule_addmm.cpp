@@ -21,9 +21,9 @@
 
 namespace batchrules {
 
-BatchedResult addmm_row_bias_batch_rule(const Tensor& self, const Tensor& mat1,
-                                        int64_t mat1_bdim, const Tensor& mat2,
-                                        const c10::Scalar& beta, const c10::Scalar& alpha) {
+BatchedResult addmm_row_bias_batch_rule(const Tensor& self, const Tensor& mat1, int64_t mat1_bdim,
+                                        const Tensor& mat2, const c10::Scalar& beta,
+                                        const c10::Scalar& alpha) {
   const Tensor x = move_bdim_to_front(mat1, mat1_bdim);  // B,N,K
   const Tensor out = at::addmm(self, fold_leading_dims(x), mat2, beta, alpha);
   return {unfold_leading_dims(out, x), 0};

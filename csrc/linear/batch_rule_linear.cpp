@@ -1,7 +1,7 @@
 // Batching rule for batchrules::linear.
 #include "linear/batch_rules.h"
-#include "ops.h"
 #include "linear/shape_checks.h"
+#include "ops.h"
 
 #include <ATen/ATen.h>
 
@@ -88,8 +88,7 @@ BatchedResult shared_weight_gemm(const Tensor& input, std::optional<int64_t> inp
 // output to put the batch first. See Note [Nested vmap and fused GEMMs].
 BatchedResult stacked_weight_gemm(const Tensor& input, const Tensor& w,
                                   const std::optional<Tensor>& bias,
-                                  std::optional<int64_t> bias_bdim,
-                                  c10::SymIntArrayRef out_shape) {
+                                  std::optional<int64_t> bias_bdim, c10::SymIntArrayRef out_shape) {
   const c10::SymInt batch = w.sym_size(0), out_features = w.sym_size(1);
   std::optional<Tensor> b;
   if (bias.has_value()) {
@@ -117,14 +116,13 @@ BatchedResult batched_gemm(const Tensor& input, std::optional<int64_t> input_bdi
   out_shape.insert(out_shape.end(), lead.begin(), lead.end() - 1);
   const c10::SymInt rows = numel_of(c10::SymIntArrayRef(out_shape).slice(1));
   out_shape.push_back(w.sym_size(1));
-  if (!input_bdim.has_value() &&
-      (batched_at_outer_level(input) || batched_at_outer_level(w) ||
-       (bias.has_value() && batched_at_outer_level(*bias)))) {
+  if (!input_bdim.has_value() && (batched_at_outer_level(input) || batched_at_outer_level(w) ||
+                                  (bias.has_value() && batched_at_outer_level(*bias)))) {
     return stacked_weight_gemm(input, w, bias, bias_bdim, out_shape);
   }
   // See Note [Contiguous per-example results] for why a shared input is expanded.
   const Tensor x3 = batch_first_3d(input, input_bdim, batch, rows);  // [B, M, I]
-  const Tensor wt = w.transpose(1, 2);  // [B, I, O]
+  const Tensor wt = w.transpose(1, 2);                               // [B, I, O]
   if (!bias.has_value()) {
     // B,M,I x B,I,O -> B,M,O
     return {at::bmm(x3, wt).view_symint(out_shape), 0};

@@ -141,8 +141,8 @@ linear_backward_batch_rule(const Tensor& self, std::optional<int64_t> self_bdim,
       gb = squeeze_logical_dim(std::get<0>(gb), std::get<1>(gb), 0);
     }
   }
-  return {std::get<0>(gi), std::get<1>(gi), std::get<0>(gw), std::get<1>(gw), std::get<0>(gb),
-          std::get<1>(gb)};
+  return {std::get<0>(gi), std::get<1>(gi), std::get<0>(gw),
+          std::get<1>(gw), std::get<0>(gb), std::get<1>(gb)};
 }
 
 }  // namespace batchrules

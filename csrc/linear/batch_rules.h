@@ -26,8 +26,8 @@ linear_backward_batch_rule(const Tensor& self, std::optional<int64_t> self_bdim,
 
 // aten::addmm with only mat1 batched and a row bias: Note [Folding addmm's
 // batch into its rows] (batch_rule_addmm.cpp).
-BatchedResult addmm_row_bias_batch_rule(const Tensor& self, const Tensor& mat1,
-                                        int64_t mat1_bdim, const Tensor& mat2,
-                                        const c10::Scalar& beta, const c10::Scalar& alpha);
+BatchedResult addmm_row_bias_batch_rule(const Tensor& self, const Tensor& mat1, int64_t mat1_bdim,
+                                        const Tensor& mat2, const c10::Scalar& beta,
+                                        const c10::Scalar& alpha);
 
 }  // namespace batchrules

@@ -55,9 +55,8 @@ TensorTriple linear_backward_batched(const Tensor& self, const Tensor& grad_outp
 // Whether addmm at `level` takes the folded rule: Note [Folding addmm's batch
 // into its rows]. Sizes and dims here are the per-example (logical) ones.
 bool addmm_folds(const Tensor& self, const Tensor& mat1, const Tensor& mat2, int64_t level) {
-  if (!batched_at(mat1, level) || any_batched_at(level, self, mat2) ||
-      traced_for_compile(self) || traced_for_compile(mat1) ||
-      traced_for_compile(mat2) || mat1.dim() != 2 || mat2.dim() != 2 ||
+  if (!batched_at(mat1, level) || any_batched_at(level, self, mat2) || traced_for_compile(self) ||
+      traced_for_compile(mat1) || traced_for_compile(mat2) || mat1.dim() != 2 || mat2.dim() != 2 ||
       mat1.sym_size(1) != mat2.sym_size(0) || self.scalar_type() != mat1.scalar_type() ||
       mat2.scalar_type() != mat1.scalar_type()) {
     return false;
@@ -65,14 +64,10 @@ bool addmm_folds(const Tensor& self, const Tensor& mat1, const Tensor& mat2, int
   const c10::SymInt& out_features = mat2.sym_size(1);
   const auto row = [&](const c10::SymInt& n) { return n == out_features || n == 1; };
   switch (self.dim()) {
-    case 0:
-      return true;
-    case 1:
-      return row(self.sym_size(0));
-    case 2:
-      return self.sym_size(0) == 1 && row(self.sym_size(1));
-    default:
-      return false;
+    case 0: return true;
+    case 1: return row(self.sym_size(0));
+    case 2: return self.sym_size(0) == 1 && row(self.sym_size(1));
+    default: return false;
   }
 }
 

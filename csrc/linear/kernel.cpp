@@ -10,8 +10,8 @@
 // reduction. The code is SymInt-aware so FakeTensor and dynamic-shape
 // torch.compile can run it directly; no separate fake kernel is needed.
 #include "common/batching_utils.h"
-#include "ops.h"
 #include "linear/shape_checks.h"
+#include "ops.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>

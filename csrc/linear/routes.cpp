@@ -10,8 +10,7 @@ namespace batchrules {
 
 namespace {
 
-Tensor routed_linear(const Tensor& input, const Tensor& weight,
-                     const std::optional<Tensor>& bias) {
+Tensor routed_linear(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
   return linear_op().call(input, weight, bias);
 }
 

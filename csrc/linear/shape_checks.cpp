@@ -64,8 +64,8 @@ SymShape check_linear_shapes(c10::SymIntArrayRef input, c10::SymIntArrayRef weig
       target.insert(target.begin(), c10::SymInt(1));
     }
     TORCH_CHECK(expands_to(*bias, target), op, ": bias of shape ", *bias,
-                " cannot be broadcast to the output shape ", c10::SymIntArrayRef(out),
-                " of input ", input, " and weight ", weight);
+                " cannot be broadcast to the output shape ", c10::SymIntArrayRef(out), " of input ",
+                input, " and weight ", weight);
   }
   return out;
 }

@@ -29,8 +29,8 @@
 // backward of every variant (probabilities, label smoothing, weights, K-dim).
 // The aten rules keep ATen's autograd formulas (every order of derivative)
 // and serve F.nll_loss, cross_entropy and every other caller.
-#include "losses/vmap_dims.h"
 #include "losses/batch_rules.h"
+#include "losses/vmap_dims.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/Reduction.h>
@@ -45,8 +45,7 @@ std::tuple<Tensor, Tensor> nll_forward_kernel(NllOp op, const Tensor& self, cons
   return op == NllOp::Nll2d
              ? at::nll_loss2d_forward_symint(self, target, weight, at::Reduction::None,
                                              ignore_index)
-             : at::nll_loss_forward_symint(self, target, weight, at::Reduction::None,
-                                           ignore_index);
+             : at::nll_loss_forward_symint(self, target, weight, at::Reduction::None, ignore_index);
 }
 
 }  // namespace
@@ -66,7 +65,8 @@ BatchedPair nll_loss_forward_batch_rule(NllOp op, const Tensor& self,
   check_nll_target_dtype(target);
 
   const NllRows rows(op, self_sizes, target, target_bdim,
-                     vmap_size({{&self, self_bdim}, {&target, target_bdim},
+                     vmap_size({{&self, self_bdim},
+                                {&target, target_bdim},
                                 {weight.has_value() ? &*weight : nullptr, weight_bdim}}));
   const bool weight_batched = weight_bdim.has_value();
   // See Note [Folding the vmap batch into the loss's rows].
@@ -82,8 +82,8 @@ BatchedPair nll_loss_forward_batch_rule(NllOp op, const Tensor& self,
   const Tensor not_ignored = rows.not_ignored(ignore_index);  // [B, R]
   Tensor loss2 = loss.view_symint({rows.batch, rows.rows});   // [B, R]
   // weight w[t] of each row, 0 where ignored
-  const Tensor w = weight.has_value() ? rows.row_weights(*weight, weight_bdim, not_ignored)
-                                      : Tensor();
+  const Tensor w =
+      weight.has_value() ? rows.row_weights(*weight, weight_bdim, not_ignored) : Tensor();
   if (weight_batched) {
     loss2 = loss2 * w;
   }

@@ -4,8 +4,8 @@
 // The kernel reads only self's shape and options (its result is zeros with
 // -w[t] * g at each row's target), so the folded self is allocated, not
 // copied from the input, whether or not the input is batched.
-#include "losses/vmap_dims.h"
 #include "losses/batch_rules.h"
+#include "losses/vmap_dims.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/Reduction.h>
@@ -20,8 +20,8 @@ Tensor nll_backward_kernel(NllOp op, const Tensor& grad_output, const Tensor& se
   return op == NllOp::Nll2d
              ? at::nll_loss2d_backward_symint(grad_output, self, target, weight,
                                               at::Reduction::None, ignore_index, total_weight)
-             : at::nll_loss_backward_symint(grad_output, self, target, weight,
-                                            at::Reduction::None, ignore_index, total_weight);
+             : at::nll_loss_backward_symint(grad_output, self, target, weight, at::Reduction::None,
+                                            ignore_index, total_weight);
 }
 
 // A single element of `t` (a view): what the kernel requires as total_weight,
@@ -79,23 +79,22 @@ BatchedResult nll_loss_backward_batch_rule(
       reduction, logical_sizes(total_weight, total_weight_bdim));
   check_nll_target_dtype(target);
 
-  const NllRows rows(
-      op, self_sizes, target, target_bdim,
-      vmap_size({{&grad_output, grad_output_bdim},
-                 {&self, self_bdim},
-                 {&target, target_bdim},
-                 {weight.has_value() ? &*weight : nullptr, weight_bdim},
-                 {&total_weight, total_weight_bdim}}));
+  const NllRows rows(op, self_sizes, target, target_bdim,
+                     vmap_size({{&grad_output, grad_output_bdim},
+                                {&self, self_bdim},
+                                {&target, target_bdim},
+                                {weight.has_value() ? &*weight : nullptr, weight_bdim},
+                                {&total_weight, total_weight_bdim}}));
   Tensor g = row_grads(rows, grad_output, grad_output_bdim, reduction, total_weight,
                        total_weight_bdim);  // [B, R]
   const bool weight_batched = weight_bdim.has_value();
   if (weight_batched) {
     g = g * rows.row_weights(*weight, weight_bdim, rows.not_ignored(ignore_index));
   }
-  const Tensor grad_input = nll_backward_kernel(
-      op, g.reshape_symint(rows.target.sym_sizes()),
-      at::empty_symint(rows.self_shape, self.options()), rows.target,
-      weight_batched ? std::nullopt : weight, ignore_index, first_element(total_weight));
+  const Tensor grad_input = nll_backward_kernel(op, g.reshape_symint(rows.target.sym_sizes()),
+                                                at::empty_symint(rows.self_shape, self.options()),
+                                                rows.target, weight_batched ? std::nullopt : weight,
+                                                ignore_index, first_element(total_weight));
   c10::SymDimVector out_shape{rows.batch};
   out_shape.append(self_sizes.begin(), self_sizes.end());
   return {grad_input.view_symint(out_shape), 0};

@@ -9,8 +9,8 @@
 // one 'none' kernel and a per-example reduction. mse_loss and smooth_l1_loss
 // take the same rule so that their batched kernels can apply autocast's fp32
 // policy (Note [Autocast under vmap]).
-#include "losses/vmap_dims.h"
 #include "losses/batch_rules.h"
+#include "losses/vmap_dims.h"
 
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
@@ -21,12 +21,9 @@ namespace batchrules {
 Tensor pointwise_loss(PointwiseLoss loss, const Tensor& self, const Tensor& target,
                       int64_t reduction, double param) {
   switch (loss) {
-    case PointwiseLoss::Mse:
-      return at::mse_loss(self, target, reduction);
-    case PointwiseLoss::SmoothL1:
-      return at::smooth_l1_loss(self, target, reduction, param);
-    case PointwiseLoss::Huber:
-      return at::huber_loss(self, target, reduction, param);
+    case PointwiseLoss::Mse: return at::mse_loss(self, target, reduction);
+    case PointwiseLoss::SmoothL1: return at::smooth_l1_loss(self, target, reduction, param);
+    case PointwiseLoss::Huber: return at::huber_loss(self, target, reduction, param);
   }
   TORCH_INTERNAL_ASSERT(false, "unknown PointwiseLoss");
 }

@@ -10,8 +10,8 @@
 // kernel broadcasts target and grad_output against self; the result has the
 // broadcast shape of the three per example, as stock's decomposition does
 // (eager resizes its output to it, with a deprecation warning).
-#include "losses/vmap_dims.h"
 #include "losses/batch_rules.h"
+#include "losses/vmap_dims.h"
 
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
@@ -58,8 +58,7 @@ BatchedResult pointwise_loss_backward_batch_rule(
   // The kernel's result takes self's shape: self expanded (not copied) to the
   // broadcast shape, batch dim included.
   const Tensor x = align_batch_first(self, self_bdim, rank).expand_symint(shape);
-  return {loss_backward_kernel(loss, g, x, align_batch_first(target, target_bdim, rank), param),
-          0};
+  return {loss_backward_kernel(loss, g, x, align_batch_first(target, target_bdim, rank), param), 0};
 }
 
 }  // namespace batchrules

@@ -21,8 +21,7 @@ Tensor pointwise_loss_backward_plumbing(PointwiseLoss loss, const char* name,
   const int64_t level = scope.level();
   if (!any_batched_at(level, grad_output, self, target)) {
     switch (loss) {
-      case PointwiseLoss::Mse:
-        return at::mse_loss_backward(grad_output, self, target, reduction);
+      case PointwiseLoss::Mse: return at::mse_loss_backward(grad_output, self, target, reduction);
       case PointwiseLoss::SmoothL1:
         return at::smooth_l1_loss_backward(grad_output, self, target, reduction, param);
       case PointwiseLoss::Huber:
@@ -40,9 +39,9 @@ Tensor pointwise_loss_backward_plumbing(PointwiseLoss loss, const char* name,
 // See Note [Autocast under vmap]: the losses' policy is fp32.
 Tensor pointwise_loss_plumbing(PointwiseLoss loss, const char* name, const Tensor& self,
                                const Tensor& target, int64_t reduction, double param) {
-  static const std::array<AtenAutocasts, 3> policies = {
-      AtenAutocasts("aten::mse_loss", ""), AtenAutocasts("aten::smooth_l1_loss", ""),
-      AtenAutocasts("aten::huber_loss", "")};
+  static const std::array<AtenAutocasts, 3> policies = {AtenAutocasts("aten::mse_loss", ""),
+                                                        AtenAutocasts("aten::smooth_l1_loss", ""),
+                                                        AtenAutocasts("aten::huber_loss", "")};
   if (policies[static_cast<size_t>(loss)].applies_to(self)) {
     const Fp32Cast cast(self.device().type());
     return pointwise_loss(loss, cast(self), cast(target), reduction, param);
@@ -84,8 +83,7 @@ Tensor nll_loss_backward_batched(const Tensor& grad_output, const Tensor& self,
                                  const Tensor& target, const std::optional<Tensor>& weight,
                                  int64_t reduction, c10::SymInt ignore_index,
                                  const Tensor& total_weight) {
-  const BatchedKernelScope scope(op == NllOp::Nll2d ? "nll_loss2d_backward"
-                                                    : "nll_loss_backward");
+  const BatchedKernelScope scope(op == NllOp::Nll2d ? "nll_loss2d_backward" : "nll_loss_backward");
   const int64_t level = scope.level();
   if (!any_batched_at(level, grad_output, self, target, weight, total_weight)) {
     return op == NllOp::Nll2d
@@ -99,8 +97,8 @@ Tensor nll_loss_backward_batched(const Tensor& grad_output, const Tensor& self,
   auto [t, t_bdim] = unwrap_at(target, level);
   auto [w, w_bdim] = unwrap_at(weight, level);
   auto [tw, tw_bdim] = unwrap_at(total_weight, level);
-  auto [gi, gi_bdim] = nll_loss_backward_batch_rule(op, g, g_bdim, x, x_bdim, t, t_bdim, w,
-                                                    w_bdim, reduction, ignore_index, tw, tw_bdim);
+  auto [gi, gi_bdim] = nll_loss_backward_batch_rule(op, g, g_bdim, x, x_bdim, t, t_bdim, w, w_bdim,
+                                                    reduction, ignore_index, tw, tw_bdim);
   return wrap_at(gi, gi_bdim, level);
 }
 
@@ -111,8 +109,7 @@ template std::tuple<Tensor, Tensor> nll_loss_forward_batched<NllOp::Nll2d>(
 template Tensor nll_loss_backward_batched<NllOp::Nll>(const Tensor&, const Tensor&, const Tensor&,
                                                       const std::optional<Tensor>&, int64_t,
                                                       c10::SymInt, const Tensor&);
-template Tensor nll_loss_backward_batched<NllOp::Nll2d>(const Tensor&, const Tensor&,
-                                                        const Tensor&,
+template Tensor nll_loss_backward_batched<NllOp::Nll2d>(const Tensor&, const Tensor&, const Tensor&,
                                                         const std::optional<Tensor>&, int64_t,
                                                         c10::SymInt, const Tensor&);
 
@@ -122,8 +119,8 @@ Tensor mse_loss_batched(const Tensor& self, const Tensor& target, int64_t reduct
 
 Tensor smooth_l1_loss_batched(const Tensor& self, const Tensor& target, int64_t reduction,
                               double beta) {
-  return pointwise_loss_plumbing(PointwiseLoss::SmoothL1, "smooth_l1_loss", self, target,
-                                 reduction, beta);
+  return pointwise_loss_plumbing(PointwiseLoss::SmoothL1, "smooth_l1_loss", self, target, reduction,
+                                 beta);
 }
 
 Tensor huber_loss_batched(const Tensor& self, const Tensor& target, int64_t reduction,
@@ -146,8 +143,8 @@ Tensor smooth_l1_loss_backward_batched(const Tensor& grad_output, const Tensor& 
 
 Tensor huber_loss_backward_batched(const Tensor& grad_output, const Tensor& self,
                                    const Tensor& target, int64_t reduction, double delta) {
-  return pointwise_loss_backward_plumbing(PointwiseLoss::Huber, "huber_loss_backward",
-                                          grad_output, self, target, reduction, delta);
+  return pointwise_loss_backward_plumbing(PointwiseLoss::Huber, "huber_loss_backward", grad_output,
+                                          self, target, reduction, delta);
 }
 
 }  // namespace batchrules

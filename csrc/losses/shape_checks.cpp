@@ -15,8 +15,7 @@ namespace {
 
 void check_nll_shapes(c10::SymIntArrayRef self, c10::SymIntArrayRef target) {
   TORCH_CHECK(!self.empty() && self.size() <= 2, "input tensor should be 1D or 2D");
-  TORCH_CHECK(target.size() <= 1,
-              "0D or 1D target tensor expected, multi-target not supported");
+  TORCH_CHECK(target.size() <= 1, "0D or 1D target tensor expected, multi-target not supported");
   if (self.size() == 1 && target.size() == 1) {
     TORCH_CHECK_VALUE(target[0] == 1,
                       "For 1D input, 1D target must have size 1, but got target size: ", target[0]);
@@ -82,8 +81,8 @@ void check_nll_loss_backward_shapes(NllOp op, c10::SymIntArrayRef grad_output,
   } else if (reduction == at::Reduction::None && self.size() == 2) {
     TORCH_CHECK(grad_output.size() == 1 && grad_output[0] == self[0],
                 "Expected a tensor of dimension 1 and tensor.size[0] == ", self[0],
-                " but got: dimension ", grad_output.size(), " and tensor.size[0] = ",
-                grad_output.empty() ? c10::SymInt(0) : grad_output[0]);
+                " but got: dimension ", grad_output.size(),
+                " and tensor.size[0] = ", grad_output.empty() ? c10::SymInt(0) : grad_output[0]);
   } else {
     TORCH_CHECK(grad_output.size() <= 1 && numel_of(grad_output) == 1,
                 "Expected a single element grad_output tensor, but got: ", grad_output);

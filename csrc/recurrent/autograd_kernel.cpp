@@ -24,9 +24,9 @@ bool any_tangent(const Ts&... ts) {
 }
 
 RecurrenceResult rnn_recurrence_autograd(c10::DispatchKeySet ks, const Tensor& input_gates,
-                                         const Tensor& h0, const OptTensor& c0,
-                                         const Tensor& w_hh, const OptTensor& b_hh,
-                                         const OptTensor& w_hr, int64_t mode, bool reverse) {
+                                         const Tensor& h0, const OptTensor& c0, const Tensor& w_hh,
+                                         const OptTensor& b_hh, const OptTensor& w_hr, int64_t mode,
+                                         bool reverse) {
   const Tensor c0_t = value(c0), b_hh_t = value(b_hh), w_hr_t = value(w_hr);
   // Forward AD: the decomposition carries the tangents through every step.
   if (any_tangent(input_gates, h0, c0_t, w_hh, b_hh_t, w_hr_t)) {
@@ -96,8 +96,8 @@ RecurrenceGradsResult rnn_recurrence_backward_autograd(
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     result = rnn_recurrence_backward_op().redispatch(ks & c10::after_autograd_keyset, grad_output,
-                                                     grad_h_n, grad_c_n, h0, c0, w_hh, w_hr,
-                                                     output, workspace, mode, reverse);
+                                                     grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
+                                                     workspace, mode, reverse);
   }
   if (differentiable) {
     auto grad_fn = make_node_with<NotDifferentiableTwice>("batchrules.rnn_recurrence");
@@ -119,8 +119,7 @@ FusedLstmResult fused_lstm_layer_autograd(c10::DispatchKeySet ks, const Tensor& 
   NodePtr<FusedLstmLayerBackward0> grad_fn;
   if (torch::autograd::compute_requires_grad(input, w_ih, w_hh, bi, bh, h0, c0)) {
     grad_fn = make_node<FusedLstmLayerBackward0>();
-    grad_fn->set_next_edges(
-        torch::autograd::collect_next_edges(input, w_ih, w_hh, bi, bh, h0, c0));
+    grad_fn->set_next_edges(torch::autograd::collect_next_edges(input, w_ih, w_hh, bi, bh, h0, c0));
     grad_fn->input_ = SavedVariable(input, false);
     grad_fn->w_ih_ = SavedVariable(w_ih, false);
     grad_fn->w_hh_ = SavedVariable(w_hh, false);

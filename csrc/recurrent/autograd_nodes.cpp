@@ -1,8 +1,8 @@
 #include "recurrent/autograd_nodes.h"
 
 #include "ops.h"
-#include "recurrent/run_recurrence.h"
 #include "recurrent/recurrence.h"
+#include "recurrent/run_recurrence.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -71,8 +71,8 @@ variable_list RnnRecurrenceBackward0::apply(variable_list&& grads) {
 // would miss their dependence on the inputs: the forward is run again as its
 // decomposition, and autograd differentiates that, building the graph.
 variable_list RnnRecurrenceBackward0::differentiate_decomposition(const variable_list& grads) {
-  const std::array<Tensor, 6> inputs = {input_gates_.unpack(), h0_.unpack(), c0_.unpack(),
-                                        w_hh_.unpack(), b_hh_.unpack(), w_hr_.unpack()};
+  const std::array<Tensor, 6> inputs = {input_gates_.unpack(), h0_.unpack(),   c0_.unpack(),
+                                        w_hh_.unpack(),        b_hh_.unpack(), w_hr_.unpack()};
   auto [output, h_n, c_n, workspace] = run_recurrence(
       inputs[0], inputs[1], maybe_defined(inputs[2]), inputs[3], maybe_defined(inputs[4]),
       maybe_defined(inputs[5]), mode_, reverse_, RecurrenceMath::Decomposition);

@@ -110,8 +110,8 @@ RecurrenceGrads recurrence_backward(const Tensor& grad_output, const Tensor& gra
   grads.h0 = T > 0 ? dh : (grad_h_n.defined() ? grad_h_n.clone() : at::zeros_like(h0));
   if (lstm) {
     grads.c0 = T > 0 && dc.defined() ? dc
-               : grad_c_n.defined()   ? grad_c_n.clone()
-                                      : at::zeros_like(c0);
+               : grad_c_n.defined()  ? grad_c_n.clone()
+                                     : at::zeros_like(c0);
   }
   return grads;
 }

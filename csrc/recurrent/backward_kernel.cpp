@@ -85,8 +85,10 @@ void lstm_backward(const Loop& loop, Tensor dh, Tensor dc, const Tensor& c0, con
   const Tensor tc = tanh_of(c);
   const Tensor dc_coef = o * (1 - tc * tc);  // T,E,N,H
   // T,E,N,3,H: the coefficients of dc* for i, f, g
-  const Tensor ifg_coef = at::stack({g * sigmoid_slope(i), previous_states(c0, c, loop.reverse) *
-                                     sigmoid_slope(f), i * (1 - g * g)}, -2);
+  const Tensor ifg_coef =
+      at::stack({g * sigmoid_slope(i), previous_states(c0, c, loop.reverse) * sigmoid_slope(f),
+                 i * (1 - g * g)},
+                -2);
   const Tensor o_coef = tc * sigmoid_slope(o);
   const auto sizes = ifg_coef.sizes();
   Tensor dcs = at::empty_like(dc);
@@ -133,8 +135,8 @@ void gru_backward(const Loop& loop, Tensor dh, const Tensor& h0, const Tensor& w
 
 void rnn_backward(const Loop& loop, Tensor dh, const Tensor& w_hh, const Tensor& output,
                   RecurrenceGrads& grads) {
-  const Tensor coef = loop.mode == RnnMode::RnnTanh ? 1 - output * output
-                                                     : output.gt(0).to(output.scalar_type());
+  const Tensor coef =
+      loop.mode == RnnMode::RnnTanh ? 1 - output * output : output.gt(0).to(output.scalar_type());
   for (int64_t s = 0; s < loop.T; ++s) {
     const int64_t t = loop.reverse ? s : loop.T - 1 - s;
     const Tensor d_t = grads.input_gates.select(0, t);

@@ -2,8 +2,8 @@
 // folded into the rows or the groups. See Note [Batching the grouped
 // recurrence].
 #include "ops.h"
-#include "recurrent/vmap_dims.h"
 #include "recurrent/batch_rules.h"
+#include "recurrent/vmap_dims.h"
 
 namespace batchrules {
 
@@ -24,19 +24,22 @@ std::array<BatchedResult, 4> rnn_recurrence_batch_rule(
     const Tensor& input_gates, OptBdim input_gates_bdim, const Tensor& h0, OptBdim h0_bdim,
     const Tensor& c0, OptBdim c0_bdim, const Tensor& w_hh, OptBdim w_hh_bdim, const Tensor& b_hh,
     OptBdim b_hh_bdim, const Tensor& w_hr, OptBdim w_hr_bdim, int64_t mode, bool reverse) {
-  const int64_t batch = vmap_size({{&input_gates, input_gates_bdim}, {&h0, h0_bdim},
-                                   {&c0, c0_bdim}, {&w_hh, w_hh_bdim}, {&b_hh, b_hh_bdim},
+  const int64_t batch = vmap_size({{&input_gates, input_gates_bdim},
+                                   {&h0, h0_bdim},
+                                   {&c0, c0_bdim},
+                                   {&w_hh, w_hh_bdim},
+                                   {&b_hh, b_hh_bdim},
                                    {&w_hr, w_hr_bdim}})
                             .expect_int();
   const bool weights_batched = w_hh_bdim || b_hh_bdim || w_hr_bdim;
   const BatchPlacement p = place(h0, h0_bdim, weights_batched, batch);
   // rows:   T,(E,)B*N,GH x (E,)GH,P -> T,(E,)B*N,P
   // groups: T,B*E,N,GH x B*E,GH,P -> T,B*E,N,P
-  auto [output, h_n, c_n, workspace] = rnn_recurrence_op().call(
-      p.seq(input_gates, input_gates_bdim), p.state(h0, h0_bdim),
-      maybe_defined(p.state(c0, c0_bdim)), p.weight(w_hh, w_hh_bdim),
-      maybe_defined(p.weight(b_hh, b_hh_bdim)), maybe_defined(p.weight(w_hr, w_hr_bdim)), mode,
-      reverse);
+  auto [output, h_n, c_n, workspace] =
+      rnn_recurrence_op().call(p.seq(input_gates, input_gates_bdim), p.state(h0, h0_bdim),
+                               maybe_defined(p.state(c0, c0_bdim)), p.weight(w_hh, w_hh_bdim),
+                               maybe_defined(p.weight(b_hh, b_hh_bdim)),
+                               maybe_defined(p.weight(w_hr, w_hr_bdim)), mode, reverse);
   return {p.seq_out(output), p.state_out(h_n), p.state_out(c_n), p.seq_out(workspace)};
 }
 
@@ -46,11 +49,16 @@ std::array<BatchedResult, 5> rnn_recurrence_backward_batch_rule(
     OptBdim h0_bdim, const Tensor& c0, OptBdim c0_bdim, const Tensor& w_hh, OptBdim w_hh_bdim,
     const Tensor& w_hr, OptBdim w_hr_bdim, const Tensor& output, OptBdim output_bdim,
     const Tensor& workspace, OptBdim workspace_bdim, int64_t mode, bool reverse) {
-  const int64_t batch =
-      vmap_size({{&grad_output, grad_output_bdim}, {&grad_h_n, grad_h_n_bdim},
-                 {&grad_c_n, grad_c_n_bdim}, {&h0, h0_bdim}, {&c0, c0_bdim}, {&w_hh, w_hh_bdim},
-                 {&w_hr, w_hr_bdim}, {&output, output_bdim}, {&workspace, workspace_bdim}})
-          .expect_int();
+  const int64_t batch = vmap_size({{&grad_output, grad_output_bdim},
+                                   {&grad_h_n, grad_h_n_bdim},
+                                   {&grad_c_n, grad_c_n_bdim},
+                                   {&h0, h0_bdim},
+                                   {&c0, c0_bdim},
+                                   {&w_hh, w_hh_bdim},
+                                   {&w_hr, w_hr_bdim},
+                                   {&output, output_bdim},
+                                   {&workspace, workspace_bdim}})
+                            .expect_int();
   const bool weights_batched = w_hh_bdim || w_hr_bdim;
   const BatchPlacement p = place(h0, h0_bdim, weights_batched, batch);
   auto [d_input, d_hidden, d_h0, d_c0, d_projected] = rnn_recurrence_backward_op().call(

@@ -19,8 +19,8 @@ Tensor physical(const OptionalBatched& t) {
 
 RecurrenceResult rnn_recurrence_batched(const Tensor& input_gates, const Tensor& h0,
                                         const OptTensor& c0, const Tensor& w_hh,
-                                        const OptTensor& b_hh, const OptTensor& w_hr,
-                                        int64_t mode, bool reverse) {
+                                        const OptTensor& b_hh, const OptTensor& w_hr, int64_t mode,
+                                        bool reverse) {
   const BatchedKernelScope scope("batchrules.rnn_recurrence");
   const int64_t level = scope.level();
   if (!any_batched_at(level, input_gates, h0, c0, w_hh, b_hh, w_hr)) {

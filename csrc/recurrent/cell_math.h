@@ -59,9 +59,7 @@ class Rows {
  public:
   explicit Rows(const at::Tensor& t)
       : base_(t.data_ptr<float>()), stride0_(t.stride(0)), stride1_(t.stride(1)) {}
-  T* operator()(int64_t e, int64_t n) const {
-    return base_ + e * stride0_ + n * stride1_;
-  }
+  T* operator()(int64_t e, int64_t n) const { return base_ + e * stride0_ + n * stride1_; }
 
  private:
   T* base_;

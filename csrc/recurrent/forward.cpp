@@ -114,15 +114,15 @@ Step rnn_step(const Tensor& x_t, const Tensor& hidden_gates, RnnMode mode) {
 
 }  // namespace
 
-RecurrenceOutputs recurrence_forward(const Tensor& input_gates, const Tensor& h0,
-                                     const Tensor& c0, const Tensor& w_hh, const Tensor& b_hh,
-                                     const Tensor& w_hr, RnnMode mode, bool reverse) {
+RecurrenceOutputs recurrence_forward(const Tensor& input_gates, const Tensor& h0, const Tensor& c0,
+                                     const Tensor& w_hh, const Tensor& b_hh, const Tensor& w_hr,
+                                     RnnMode mode, bool reverse) {
   const int64_t T = input_gates.size(0);
   const int64_t E = h0.size(0), N = h0.size(1), P = h0.size(2);
   const int64_t H = w_hh.size(1) / gate_count(mode);
-  const Tensor w_hh_t = w_hh.transpose(1, 2);                     // E,P,GH
+  const Tensor w_hh_t = w_hh.transpose(1, 2);                          // E,P,GH
   const Tensor w_hr_t = w_hr.defined() ? w_hr.transpose(1, 2) : w_hr;  // E,H,P
-  const Tensor bias = b_hh.defined() ? b_hh.unsqueeze(1) : b_hh;  // E,1,GH
+  const Tensor bias = b_hh.defined() ? b_hh.unsqueeze(1) : b_hh;       // E,1,GH
   const int64_t K = workspace_width(mode, H, w_hr.defined());
 
   std::vector<Tensor> outputs(T), saved(mode == RnnMode::Lstm || mode == RnnMode::Gru ? T : 0);

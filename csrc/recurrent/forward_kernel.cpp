@@ -22,8 +22,8 @@ namespace {
 
 struct Buffers {
   Tensor output, workspace, gates, scratch;
-  Tensor one;  // See Note [tanh as a sigmoid]
-  bool fused = false;  // the LSTM or GRU cell as one CPU loop (Note [The fused LSTM cell])
+  Tensor one;               // See Note [tanh as a sigmoid]
+  bool fused = false;       // the LSTM or GRU cell as one CPU loop (Note [The fused LSTM cell])
   PackedRhs packed_w_hh_t;  // See Note [One packed W_hh for all steps]
 };
 
@@ -73,8 +73,8 @@ void lstm_step_into(Buffers& b, const Tensor& x_t, const Tensor& h, const Tensor
   at::sigmoid_out(act, b.gates);
   Tensor g = act.narrow(-1, 2 * H, H);
   g.add_(g).sub_(b.one);
-  at::mul_out(c_new, act.narrow(-1, H, H), c);      // f c
-  c_new.addcmul_(act.narrow(-1, 0, H), g);          // + i g
+  at::mul_out(c_new, act.narrow(-1, H, H), c);  // f c
+  c_new.addcmul_(act.narrow(-1, 0, H), g);      // + i g
   at::add_out(b.scratch, c_new, c_new);
   b.scratch.sigmoid_().add_(b.scratch).sub_(b.one);  // tanh(c')
   if (!w_hr_t.defined()) {
@@ -137,9 +137,8 @@ RecurrenceOutputs recurrence_forward_kernel(const Tensor& input_gates, const Ten
   b.one = one_like(b.scratch);
   const bool gru = mode == RnnMode::Gru;
   // the fused cells read the input gates' rows in place
-  b.fused = cell_fusable(b.gates) && (mode == RnnMode::Lstm || gru) &&
-            input_gates.stride(-1) == 1;
-  const Tensor w_hh_t = w_hh.transpose(1, 2);                          // E,P,GH
+  b.fused = cell_fusable(b.gates) && (mode == RnnMode::Lstm || gru) && input_gates.stride(-1) == 1;
+  const Tensor w_hh_t = w_hh.transpose(1, 2);  // E,P,GH
   b.packed_w_hh_t = PackedRhs::pack(w_hh_t, N, T);
   const Tensor w_hr_t = w_hr.defined() ? w_hr.transpose(1, 2) : w_hr;  // E,H,P
   // E,1,GH; the fused LSTM cell reads rows with a unit stride, zeros for none

@@ -17,8 +17,7 @@ inline bool cell_fusable(const at::Tensor& t) {
 // [i, f, g, o], c_new <- f c + i g, h <- o tanh(c_new). x, hidden, act
 // E,N,4H; c, c_new, h E,N,H; all with contiguous rows.
 void lstm_cell_forward_cpu(const at::Tensor& x, const at::Tensor& hidden, const at::Tensor& bias,
-                           const at::Tensor& c, at::Tensor& act, at::Tensor& c_new,
-                           at::Tensor& h);
+                           const at::Tensor& c, at::Tensor& act, at::Tensor& c_new, at::Tensor& h);
 
 // The step's backward from dh + dh_out (reaching h', after any projection:
 // from the next step and from the output) and dc (reaching c'), the
@@ -27,9 +26,8 @@ void lstm_cell_forward_cpu(const at::Tensor& x, const at::Tensor& hidden, const 
 // (E,N,4H), dc_prev <- that of c. All E,N,* with contiguous rows; dc_prev
 // must not alias dc.
 void lstm_cell_backward_cpu(const at::Tensor& dh, const at::Tensor& dh_out, const at::Tensor& dc,
-                            const at::Tensor& act,
-                            const at::Tensor& c_new, const at::Tensor& c, at::Tensor& d_gates,
-                            at::Tensor& dc_prev);
+                            const at::Tensor& act, const at::Tensor& c_new, const at::Tensor& c,
+                            at::Tensor& d_gates, at::Tensor& dc_prev);
 
 // x = the step's input gates (E,N,3H), hidden = h W_hh^T + b_hh (E,N,3H), h
 // (E,N,H): r, z = sigmoid(x + hidden) of their parts, n = tanh(x_n + r

@@ -11,9 +11,7 @@ namespace batchrules {
 struct Grouping {
   bool grouped;
   // T,N,F -> T,1,N,F
-  at::Tensor seq(const at::Tensor& t) const {
-    return grouped || !t.defined() ? t : t.unsqueeze(1);
-  }
+  at::Tensor seq(const at::Tensor& t) const { return grouped || !t.defined() ? t : t.unsqueeze(1); }
   at::Tensor seq(const std::optional<at::Tensor>& t) const {
     return t.has_value() ? seq(*t) : at::Tensor();
   }
@@ -24,9 +22,7 @@ struct Grouping {
   at::Tensor lead(const std::optional<at::Tensor>& t) const {
     return t.has_value() ? lead(*t) : at::Tensor();
   }
-  at::Tensor unseq(const at::Tensor& t) const {
-    return grouped || !t.defined() ? t : t.squeeze(1);
-  }
+  at::Tensor unseq(const at::Tensor& t) const { return grouped || !t.defined() ? t : t.squeeze(1); }
   at::Tensor unlead(const at::Tensor& t) const {
     return grouped || !t.defined() ? t : t.squeeze(0);
   }

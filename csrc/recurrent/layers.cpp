@@ -4,8 +4,8 @@
 
 #include "common/autocast.h"
 #include "common/transform_stack.h"
-#include "recurrent/run_recurrence.h"
 #include "recurrent/onednn/layer.h"
+#include "recurrent/run_recurrence.h"
 
 #include <ATen/ATen.h>
 
@@ -92,11 +92,11 @@ void check_rnn_operands(const Tensor& input, const Tensor& hx, const Tensor& cx,
               layers * per_layer, " parameters for ", o.num_layers, " layers and ", directions,
               " directions", projected ? " with projections" : "", ", but got ", params.size());
   const int64_t batch = input.size(o.batch_first ? 0 : 1), state = params[1].size(1);
-  TORCH_CHECK(input.size(2) == params[0].size(1), name, ": expected input with ",
-              params[0].size(1), " features, but got input of shape ", input.sizes());
+  TORCH_CHECK(input.size(2) == params[0].size(1), name, ": expected input with ", params[0].size(1),
+              " features, but got input of shape ", input.sizes());
   TORCH_CHECK(hx.sizes() == at::IntArrayRef({layers, batch, state}), name,
-              ": expected hidden state of shape [", layers, ", ", batch, ", ", state,
-              "], but got ", hx.sizes());
+              ": expected hidden state of shape [", layers, ", ", batch, ", ", state, "], but got ",
+              hx.sizes());
   if (lstm) {
     const int64_t hidden = params[1].size(0) / 4;
     TORCH_CHECK(cx.sizes() == at::IntArrayRef({layers, batch, hidden}), name,
@@ -137,8 +137,7 @@ std::tuple<Tensor, Tensor, Tensor> run_rnn(const Tensor& input, const Tensor& hx
       x = at::dropout(x, o.dropout, o.train);
     }
   }
-  return {o.batch_first ? x.transpose(0, 1) : x, at::stack(h_n),
-          lstm ? at::stack(c_n) : Tensor()};
+  return {o.batch_first ? x.transpose(0, 1) : x, at::stack(h_n), lstm ? at::stack(c_n) : Tensor()};
 }
 
 std::tuple<Tensor, Tensor> run_cell(const Tensor& input, const Tensor& hx, const Tensor& cx,
@@ -150,12 +149,12 @@ std::tuple<Tensor, Tensor> run_cell(const Tensor& input, const Tensor& hx, const
   TORCH_CHECK(input.size(1) == w_ih.size(1), "input has inconsistent input_size: got ",
               input.size(1), " expected ", w_ih.size(1));
   const auto check_hidden = [&](const Tensor& h, int64_t label) {
-    TORCH_CHECK(h.dim() == 2, mode_name(mode), "_cell: expected hidden", label,
-                " of shape [N, ", w_hh.size(1), "], but got ", h.sizes());
+    TORCH_CHECK(h.dim() == 2, mode_name(mode), "_cell: expected hidden", label, " of shape [N, ",
+                w_hh.size(1), "], but got ", h.sizes());
     TORCH_CHECK(input.size(0) == h.size(0), "Input batch size ", input.size(0),
                 " doesn't match hidden", label, " batch size ", h.size(0));
-    TORCH_CHECK(h.size(1) == w_hh.size(1), "hidden", label,
-                " has inconsistent hidden_size: got ", h.size(1), ", expected ", w_hh.size(1));
+    TORCH_CHECK(h.size(1) == w_hh.size(1), "hidden", label, " has inconsistent hidden_size: got ",
+                h.size(1), ", expected ", w_hh.size(1));
   };
   check_hidden(hx, 0);
   if (cx.defined()) {

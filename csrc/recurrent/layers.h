@@ -39,9 +39,11 @@ void check_rnn_operands(const Tensor& input, const Tensor& hx, const Tensor& cx,
 // Where vmap is the only transform and only the input and states are batched
 // at it: aten's LSTM once, over the vmap dim folded into the rows (Note [An
 // LSTM over per-sample sequences as one eager call]); nullopt elsewhere.
-std::optional<std::tuple<Tensor, Tensor, Tensor>> lstm_over_folded_rows(
-    const Tensor& input, const Tensor& hx, const Tensor& cx, at::TensorList params,
-    const RnnOptions& options);
+std::optional<std::tuple<Tensor, Tensor, Tensor>> lstm_over_folded_rows(const Tensor& input,
+                                                                        const Tensor& hx,
+                                                                        const Tensor& cx,
+                                                                        at::TensorList params,
+                                                                        const RnnOptions& options);
 
 // aten::lstm/gru/rnn_*.input: input [T, N, I] ([N, T, I] batch_first), hx
 // [L*D, N, P], cx [L*D, N, H] (LSTM), params per layer and direction

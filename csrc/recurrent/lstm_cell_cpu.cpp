@@ -31,8 +31,8 @@ using namespace cell_math;
 // is zeros.)
 __attribute__((target_clones("avx512f", "avx2", "default"))) void lstm_row(
     const float* __restrict x, const float* __restrict hidden, const float* __restrict bias,
-    const float* __restrict c, float* __restrict act, float* __restrict c_new,
-    float* __restrict h, int64_t H) {
+    const float* __restrict c, float* __restrict act, float* __restrict c_new, float* __restrict h,
+    int64_t H) {
   for (int64_t j = 0; j < H; ++j) {
     const float pi = x[j] + hidden[j] + bias[j];
     const float pf = x[H + j] + hidden[H + j] + bias[H + j];
@@ -74,8 +74,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void lstm_row_backw
 }  // namespace
 
 void lstm_cell_forward_cpu(const at::Tensor& x, const at::Tensor& hidden, const at::Tensor& bias,
-                           const at::Tensor& c, at::Tensor& act, at::Tensor& c_new,
-                           at::Tensor& h) {
+                           const at::Tensor& c, at::Tensor& act, at::Tensor& c_new, at::Tensor& h) {
   const int64_t E = x.size(0), N = x.size(1), H = c.size(2);
   assert_contiguous_rows({&x, &hidden, &bias, &c, &act, &c_new, &h});
   const Rows<const float> x_rows(x), hidden_rows(hidden), bias_rows(bias), c_rows(c);

@@ -92,9 +92,9 @@ RecurrenceOutputs recurrence_forward_kernel(const Tensor& input_gates, const Ten
                                             const Tensor& c0, const Tensor& w_hh,
                                             const Tensor& b_hh, const Tensor& w_hr, RnnMode mode,
                                             bool reverse);
-RecurrenceOutputs recurrence_forward(const Tensor& input_gates, const Tensor& h0,
-                                     const Tensor& c0, const Tensor& w_hh, const Tensor& b_hh,
-                                     const Tensor& w_hr, RnnMode mode, bool reverse);
+RecurrenceOutputs recurrence_forward(const Tensor& input_gates, const Tensor& h0, const Tensor& c0,
+                                     const Tensor& w_hh, const Tensor& b_hh, const Tensor& w_hr,
+                                     RnnMode mode, bool reverse);
 
 struct RecurrenceGrads {
   Tensor input_gates;   // T,E,N,GH  gradient of input_gates

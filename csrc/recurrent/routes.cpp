@@ -8,8 +8,8 @@
 //    overloads, which vmap cannot express (a PackedSequence's batch_sizes are
 //    data, not a dim), with an error that says what to do instead.
 #include "common/autocast.h"
-#include "recurrent/onednn/batch_rules.h"
 #include "recurrent/layers.h"
+#include "recurrent/onednn/batch_rules.h"
 #include "routing.h"
 
 namespace batchrules {
@@ -41,8 +41,8 @@ std::tuple<Tensor, Tensor, Tensor> routed_lstm(const Tensor& input, TensorList h
     return routed_lstm(cast(input), cast_all(cast, hx), cast_all(cast, params), has_biases,
                        num_layers, dropout, train, bidirectional, batch_first);
   }
-  RnnOptions options{RnnMode::Lstm, has_biases, num_layers, dropout, train, bidirectional,
-                     batch_first};
+  RnnOptions options{RnnMode::Lstm, has_biases,    num_layers, dropout,
+                     train,         bidirectional, batch_first};
   options.lstm_kernel = lstm_kernel(input, hx, params, batch_first);
   if (options.lstm_kernel == LstmKernel::OneDnnInference) {
     if (auto folded = lstm_over_folded_rows(input, hx[0], hx[1], params, options)) {
@@ -58,12 +58,12 @@ std::tuple<Tensor, Tensor> routed_rnn(const Tensor& input, const Tensor& hx, Ten
                                       bool train, bool bidirectional, bool batch_first) {
   if (mode != RnnMode::Gru && autocast_enabled_for(input)) {
     const LowerPrecisionCast cast(input.device().type());
-    return routed_rnn<mode>(cast(input), cast(hx), cast_all(cast, params), has_biases,
-                            num_layers, dropout, train, bidirectional, batch_first);
+    return routed_rnn<mode>(cast(input), cast(hx), cast_all(cast, params), has_biases, num_layers,
+                            dropout, train, bidirectional, batch_first);
   }
-  auto [output, h_n, c_n] = run_rnn(
-      input, hx, Tensor(), params,
-      {mode, has_biases, num_layers, dropout, train, bidirectional, batch_first});
+  auto [output, h_n, c_n] =
+      run_rnn(input, hx, Tensor(), params,
+              {mode, has_biases, num_layers, dropout, train, bidirectional, batch_first});
   return {output, h_n};
 }
 
@@ -83,9 +83,9 @@ bool cell_in_lower_precision(const Tensor& input) {
          (autocast_enabled_for(input) && (mode == RnnMode::RnnTanh || mode == RnnMode::RnnRelu));
 }
 
-std::tuple<Tensor, Tensor> routed_lstm_cell(const Tensor& input, TensorList hx,
-                                            const Tensor& w_ih, const Tensor& w_hh,
-                                            const OptTensor& b_ih, const OptTensor& b_hh) {
+std::tuple<Tensor, Tensor> routed_lstm_cell(const Tensor& input, TensorList hx, const Tensor& w_ih,
+                                            const Tensor& w_hh, const OptTensor& b_ih,
+                                            const OptTensor& b_hh) {
   TORCH_CHECK(hx.size() == 2, "lstm_cell expects two hidden states");  // aten's message
   if (cell_in_lower_precision<RnnMode::Lstm>(input)) {
     const LowerPrecisionCast cast(input.device().type());
@@ -100,8 +100,8 @@ Tensor routed_cell(const Tensor& input, const Tensor& hx, const Tensor& w_ih, co
                    const OptTensor& b_ih, const OptTensor& b_hh) {
   if (cell_in_lower_precision<mode>(input)) {
     const LowerPrecisionCast cast(input.device().type());
-    return std::get<0>(run_cell(cast(input), cast(hx), Tensor(), cast(w_ih), cast(w_hh),
-                                cast(b_ih), cast(b_hh), mode));
+    return std::get<0>(run_cell(cast(input), cast(hx), Tensor(), cast(w_ih), cast(w_hh), cast(b_ih),
+                                cast(b_hh), mode));
   }
   return std::get<0>(run_cell(input, hx, Tensor(), w_ih, w_hh, b_ih, b_hh, mode));
 }
@@ -114,14 +114,14 @@ Tensor routed_cell(const Tensor& input, const Tensor& hx, const Tensor& w_ih, co
               "sample's last valid step.");
 }
 
-std::tuple<Tensor, Tensor, Tensor> packed_lstm(const Tensor&, const Tensor&, TensorList,
-                                               TensorList, bool, int64_t, double, bool, bool) {
+std::tuple<Tensor, Tensor, Tensor> packed_lstm(const Tensor&, const Tensor&, TensorList, TensorList,
+                                               bool, int64_t, double, bool, bool) {
   packed_under_vmap("lstm");
 }
 
 template <RnnMode mode>
-std::tuple<Tensor, Tensor> packed_rnn(const Tensor&, const Tensor&, const Tensor&, TensorList,
-                                      bool, int64_t, double, bool, bool) {
+std::tuple<Tensor, Tensor> packed_rnn(const Tensor&, const Tensor&, const Tensor&, TensorList, bool,
+                                      int64_t, double, bool, bool) {
   packed_under_vmap(mode == RnnMode::Gru ? "gru" : "rnn");
 }
 

@@ -14,15 +14,15 @@ namespace batchrules {
 // Which math of Note [The recurrence kernels] runs.
 enum class RecurrenceMath { Decomposition, Kernel };
 
-RecurrenceResult run_recurrence(
-    const Tensor& input_gates, const Tensor& h0, const OptTensor& c0, const Tensor& w_hh,
-    const OptTensor& b_hh, const OptTensor& w_hr, int64_t mode, bool reverse,
-    RecurrenceMath math);
+RecurrenceResult run_recurrence(const Tensor& input_gates, const Tensor& h0, const OptTensor& c0,
+                                const Tensor& w_hh, const OptTensor& b_hh, const OptTensor& w_hr,
+                                int64_t mode, bool reverse, RecurrenceMath math);
 
-RecurrenceGradsResult run_recurrence_backward(
-    const OptTensor& grad_output, const OptTensor& grad_h_n, const OptTensor& grad_c_n,
-    const Tensor& h0, const OptTensor& c0, const Tensor& w_hh, const OptTensor& w_hr,
-    const Tensor& output, const Tensor& workspace, int64_t mode, bool reverse,
-    RecurrenceMath math);
+RecurrenceGradsResult run_recurrence_backward(const OptTensor& grad_output,
+                                              const OptTensor& grad_h_n, const OptTensor& grad_c_n,
+                                              const Tensor& h0, const OptTensor& c0,
+                                              const Tensor& w_hh, const OptTensor& w_hr,
+                                              const Tensor& output, const Tensor& workspace,
+                                              int64_t mode, bool reverse, RecurrenceMath math);
 
 }  // namespace batchrules

@@ -25,9 +25,9 @@ void check_sizes(const char* op, const char* name, const Tensor& t, bool grouped
 }
 
 void check_like(const char* op, const char* name, const Tensor& t, const Tensor& ref) {
-  TORCH_CHECK(t.scalar_type() == ref.scalar_type() && t.device() == ref.device(), op,
-              ": expected ", name, " to have the dtype and device of w_hh (", ref.scalar_type(),
-              " on ", ref.device(), "), but got ", t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type() && t.device() == ref.device(), op, ": expected ",
+              name, " to have the dtype and device of w_hh (", ref.scalar_type(), " on ",
+              ref.device(), "), but got ", t.scalar_type(), " on ", t.device());
 }
 
 struct Weights {
@@ -76,9 +76,9 @@ Weights check_weights(const char* op, const Tensor& h0, const std::optional<Tens
 
 }  // namespace
 
-RecurrenceShape check_recurrence_shapes(const char* op, const Tensor& input_gates,
-                                        const Tensor& h0, const std::optional<Tensor>& c0,
-                                        const Tensor& w_hh, const std::optional<Tensor>& b_hh,
+RecurrenceShape check_recurrence_shapes(const char* op, const Tensor& input_gates, const Tensor& h0,
+                                        const std::optional<Tensor>& c0, const Tensor& w_hh,
+                                        const std::optional<Tensor>& b_hh,
                                         const std::optional<Tensor>& w_hr, RnnMode mode) {
   const auto w = check_weights(op, h0, c0, w_hh, b_hh, w_hr, mode);
   TORCH_CHECK(input_gates.dim() == 3 + w.grouped, op, ": expected input_gates of shape [T, ",
@@ -123,8 +123,8 @@ RecurrenceShape check_recurrence_backward_shapes(
                 output.sizes(), ", but got ", grad_output->sizes());
   }
   if (given(grad_h_n)) {
-    TORCH_CHECK(grad_h_n->sizes() == h0.sizes(), op, ": expected grad_h_n of shape ",
-                h0.sizes(), ", but got ", grad_h_n->sizes());
+    TORCH_CHECK(grad_h_n->sizes() == h0.sizes(), op, ": expected grad_h_n of shape ", h0.sizes(),
+                ", but got ", grad_h_n->sizes());
   }
   if (given(grad_c_n)) {
     TORCH_CHECK(given(c0) && grad_c_n->sizes() == c0->sizes(), op,

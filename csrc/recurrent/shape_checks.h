@@ -9,13 +9,13 @@
 namespace batchrules {
 
 struct RecurrenceShape {
-  bool grouped;  // a leading group dim E on every operand
+  bool grouped;                  // a leading group dim E on every operand
   int64_t steps, hidden, state;  // T, H, P
 };
 
-RecurrenceShape check_recurrence_shapes(const char* op, const Tensor& input_gates,
-                                        const Tensor& h0, const std::optional<Tensor>& c0,
-                                        const Tensor& w_hh, const std::optional<Tensor>& b_hh,
+RecurrenceShape check_recurrence_shapes(const char* op, const Tensor& input_gates, const Tensor& h0,
+                                        const std::optional<Tensor>& c0, const Tensor& w_hh,
+                                        const std::optional<Tensor>& b_hh,
                                         const std::optional<Tensor>& w_hr, RnnMode mode);
 
 // The backward's operands: h0, c0, w_hh, w_hr as for the forward, output and

@@ -27,8 +27,8 @@ struct BatchPlacement {
   int64_t batch;     // B
   int64_t inner;     // what B is folded with: N (rows) or E (groups, 1 if none)
 
-  Tensor seq(const Tensor& t, std::optional<int64_t> bdim) const;    // T,(E,)N,F
-  Tensor state(const Tensor& t, std::optional<int64_t> bdim) const;  // (E,)N,F
+  Tensor seq(const Tensor& t, std::optional<int64_t> bdim) const;     // T,(E,)N,F
+  Tensor state(const Tensor& t, std::optional<int64_t> bdim) const;   // (E,)N,F
   Tensor weight(const Tensor& t, std::optional<int64_t> bdim) const;  // (E,)*w
   BatchedResult seq_out(const Tensor& t) const;
   BatchedResult state_out(const Tensor& t) const;

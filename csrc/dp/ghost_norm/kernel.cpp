@@ -106,13 +106,17 @@ inline void tiled_gram_row(const T* x, int64_t t, int64_t n, T* out) {
 }
 
 // One function per dtype: target_clones takes plain (non-template, not overloaded) functions.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void gram_row_float(
-    const float* x, int64_t t, int64_t n, float* out) {
+__attribute__((target_clones("avx512f", "avx2", "default"))) void gram_row_float(const float* x,
+                                                                                 int64_t t,
+                                                                                 int64_t n,
+                                                                                 float* out) {
   tiled_gram_row(x, t, n, out);
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default"))) void gram_row_double(
-    const double* x, int64_t t, int64_t n, double* out) {
+__attribute__((target_clones("avx512f", "avx2", "default"))) void gram_row_double(const double* x,
+                                                                                  int64_t t,
+                                                                                  int64_t n,
+                                                                                  double* out) {
   tiled_gram_row(x, t, n, out);
 }
 
@@ -151,8 +155,8 @@ inline float lane_total(const Float16& v) {
 
 // out[4 i + l] = x_i . y_l for rows x_0..x_3 at x and y_0..y_3 at y (stride n).
 __attribute__((target("avx512f"))) void dots4x4_avx512(const float* __restrict x,
-                                                        const float* __restrict y, int64_t n,
-                                                        float* out) {
+                                                       const float* __restrict y, int64_t n,
+                                                       float* out) {
   Float16 acc[16] = {};
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
@@ -207,8 +211,8 @@ void blocked_norm_sq(const float* a, const float* g, int64_t blocked, int64_t in
 // One sample: a [T, I], g [T, O], both contiguous; ga, gg: T scratch each,
 // one row of each Gram at a time (after the rows formed in blocks, if any).
 template <typename T>
-double sample_norm_sq(const T* a, const T* g, int64_t rows, int64_t in, int64_t out,
-                      double biases, T* ga, T* gg) {
+double sample_norm_sq(const T* a, const T* g, int64_t rows, int64_t in, int64_t out, double biases,
+                      T* ga, T* gg) {
   double diagonal = 0;
   double off_diagonal = 0;  // the pairs s < t, each standing for (s, t) and (t, s)
   int64_t blocked = 0;

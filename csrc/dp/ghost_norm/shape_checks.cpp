@@ -10,16 +10,16 @@ void check_ghost_norm_inputs(const at::Tensor& rows, const at::Tensor& grads, in
   TORCH_CHECK(rows.dim() == 3 && grads.dim() == 3, op,
               ": expected rows [B, T, I] and grads [B, T, O], but got shapes ", rows.sizes(),
               " and ", grads.sizes());
-  TORCH_CHECK(rows.size(0) == grads.size(0) && rows.size(1) == grads.size(1), op,
-              ": rows ", rows.sizes(), " and grads ", grads.sizes(),
+  TORCH_CHECK(rows.size(0) == grads.size(0) && rows.size(1) == grads.size(1), op, ": rows ",
+              rows.sizes(), " and grads ", grads.sizes(),
               " must agree in their first two dims (samples B, rows T)");
   TORCH_CHECK(rows.scalar_type() == grads.scalar_type(), op,
               ": expected rows and grads of one dtype, but got ", rows.scalar_type(), " and ",
               grads.scalar_type());
   TORCH_CHECK(rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kDouble, op,
               ": expected float32 or float64 tensors, but got ", rows.scalar_type());
-  TORCH_CHECK(rows.device() == grads.device(), op, ": rows on ", rows.device(),
-              " and grads on ", grads.device());
+  TORCH_CHECK(rows.device() == grads.device(), op, ": rows on ", rows.device(), " and grads on ",
+              grads.device());
 }
 
 }  // namespace batchrules

@@ -15,9 +15,9 @@
 // training: vmap's randomness decides whether the samples share a mask, and
 // layers.cpp draws it under vmap.
 #include "common/vmap_plumbing.h"
+#include "recurrent/layers.h"
 #include "recurrent/onednn/batch_rules.h"
 #include "recurrent/onednn/batching.h"
-#include "recurrent/layers.h"
 
 #include <ATen/ATen.h>
 #include <ATen/functorch/DynamicLayer.h>
@@ -49,18 +49,20 @@ std::array<BatchedResult, 3> lstm_folded_batch_rule(const Tensor& input, int64_t
           BatchedResult{unfold_rows(c_n, 1, batch, n), 1}};
 }
 
-std::optional<std::tuple<Tensor, Tensor, Tensor>> lstm_over_folded_rows(
-    const Tensor& input, const Tensor& hx, const Tensor& cx, at::TensorList params,
-    const RnnOptions& o) {
+std::optional<std::tuple<Tensor, Tensor, Tensor>> lstm_over_folded_rows(const Tensor& input,
+                                                                        const Tensor& hx,
+                                                                        const Tensor& cx,
+                                                                        at::TensorList params,
+                                                                        const RnnOptions& o) {
   const auto& stack = at::functorch::getDynamicLayerStack();
   if (stack.size() != 1 || stack[0].key() != at::functorch::TransformType::Vmap ||
       (o.train && o.dropout > 0 && o.num_layers > 1)) {
     return std::nullopt;
   }
   const int64_t level = stack[0].layerId();
-  if (!batched_at(input, level) ||
-      std::any_of(params.begin(), params.end(),
-                  [&](const Tensor& p) { return batched_at(p, level); })) {
+  if (!batched_at(input, level) || std::any_of(params.begin(), params.end(), [&](const Tensor& p) {
+        return batched_at(p, level);
+      })) {
     return std::nullopt;
   }
   check_rnn_operands(input, hx, cx, params, o);  // per-sample shapes in its messages
@@ -77,16 +79,15 @@ std::optional<std::tuple<Tensor, Tensor, Tensor>> lstm_over_folded_rows(
     // With grad mode on, oneDNN computes its training workspace even where
     // nothing can be differentiated; the rule of
     // aten::mkldnn_rnn_layer runs such a layer as inference too.
-    const bool differentiable =
-        x.requires_grad() || h0.requires_grad() || c0.requires_grad() ||
-        std::any_of(params.begin(), params.end(), [](const Tensor& p) { return p.requires_grad(); });
+    const bool differentiable = x.requires_grad() || h0.requires_grad() || c0.requires_grad() ||
+                                std::any_of(params.begin(), params.end(),
+                                            [](const Tensor& p) { return p.requires_grad(); });
     std::optional<at::NoGradGuard> inference;
     if (!differentiable) {
       inference.emplace();
     }
     out = lstm_folded_batch_rule(x, *x_bdim, h0, h0_bdim, c0, c0_bdim, params, o.has_biases,
-                                 o.num_layers, o.dropout, o.train, o.bidirectional,
-                                 o.batch_first);
+                                 o.num_layers, o.dropout, o.train, o.bidirectional, o.batch_first);
   }
   const auto wrap = [&](const BatchedResult& r) {
     return wrap_at(std::get<0>(r), std::get<1>(r), level);

@@ -16,8 +16,8 @@ namespace batchrules {
 std::tuple<Tensor, Tensor, Tensor, Tensor> mkldnn_rnn_layer_batched(
     const Tensor& input, const Tensor& w0, const Tensor& w1, const Tensor& w2, const Tensor& w3,
     const Tensor& hx, const Tensor& cx, bool reverse, at::IntArrayRef batch_sizes, int64_t mode,
-    int64_t hidden_size, int64_t num_layers, bool has_biases, bool bidirectional,
-    bool batch_first, bool train) {
+    int64_t hidden_size, int64_t num_layers, bool has_biases, bool bidirectional, bool batch_first,
+    bool train) {
   const BatchedKernelScope scope("mkldnn_rnn_layer");
   const int64_t level = scope.level();
   const auto call = [&](const Tensor& x, const Tensor& a, const Tensor& b, const Tensor& c,
@@ -28,10 +28,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mkldnn_rnn_layer_batched(
   if (!any_batched_at(level, input, w0, w1, w2, w3, hx, cx)) {
     return call(input, w0, w1, w2, w3, hx, cx);
   }
-  const std::vector<BatchedResult> ops = {unwrap_at(input, level), unwrap_at(w0, level),
-                                          unwrap_at(w1, level),    unwrap_at(w2, level),
-                                          unwrap_at(w3, level),    unwrap_at(hx, level),
-                                          unwrap_at(cx, level)};
+  const std::vector<BatchedResult> ops = {
+      unwrap_at(input, level), unwrap_at(w0, level), unwrap_at(w1, level), unwrap_at(w2, level),
+      unwrap_at(w3, level),    unwrap_at(hx, level), unwrap_at(cx, level)};
   // The layer computes its training workspace whenever grad mode is on; where
   // no operand can be differentiated it runs as inference, as the eager loop
   // whose outputs need no graph does.

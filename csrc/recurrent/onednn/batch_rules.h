@@ -23,7 +23,7 @@ std::array<BatchedResult, 3> lstm_folded_batch_rule(const Tensor& input, int64_t
 std::tuple<Tensor, Tensor, Tensor, Tensor> mkldnn_rnn_layer_batched(
     const Tensor& input, const Tensor& w0, const Tensor& w1, const Tensor& w2, const Tensor& w3,
     const Tensor& hx, const Tensor& cx, bool reverse, at::IntArrayRef batch_sizes, int64_t mode,
-    int64_t hidden_size, int64_t num_layers, bool has_biases, bool bidirectional,
-    bool batch_first, bool train);
+    int64_t hidden_size, int64_t num_layers, bool has_biases, bool bidirectional, bool batch_first,
+    bool train);
 
 }  // namespace batchrules

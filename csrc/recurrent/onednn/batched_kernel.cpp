@@ -29,20 +29,20 @@ namespace {
 // gradients are: jacrev), and every member's backward reads the whole list.
 FusedLstmResult fused_lstm_layer_batched(const Tensor& input, const Tensor& w_ih,
                                          const Tensor& w_hh, const OptTensor& b_ih,
-                                         const OptTensor& b_hh, const Tensor& h0,
-                                         const Tensor& c0, bool reverse) {
+                                         const OptTensor& b_hh, const Tensor& h0, const Tensor& c0,
+                                         bool reverse) {
   const BatchedKernelScope scope("batchrules.fused_lstm_layer");
   const int64_t level = scope.level();
   if (!any_batched_at(level, input, w_ih, w_hh, b_ih, b_hh, h0, c0)) {
     return fused_lstm_layer_op().call(input, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse);
   }
-  const std::vector<BatchedResult> ops = {
-      unwrap_at(input, level), unwrap_at(w_ih, level), unwrap_at(w_hh, level),
-      optional_at(b_ih, level), optional_at(b_hh, level), unwrap_at(h0, level),
-      unwrap_at(c0, level)};
+  const std::vector<BatchedResult> ops = {unwrap_at(input, level),  unwrap_at(w_ih, level),
+                                          unwrap_at(w_hh, level),   optional_at(b_ih, level),
+                                          optional_at(b_hh, level), unwrap_at(h0, level),
+                                          unwrap_at(c0, level)};
   BatchedLstmLayer r = batched_lstm_layer(ops, level, [&](const std::vector<Tensor>& a) {
-    auto [o, h, c, ws] = fused_lstm_layer_op().call(
-        a[0], a[1], a[2], maybe_defined(a[3]), maybe_defined(a[4]), a[5], a[6], reverse);
+    auto [o, h, c, ws] = fused_lstm_layer_op().call(a[0], a[1], a[2], maybe_defined(a[3]),
+                                                    maybe_defined(a[4]), a[5], a[6], reverse);
     return LstmLayerCall{o, h, c, std::move(ws)};
   });
   return {r.output, r.h_n, r.c_n, std::move(r.workspaces)};
@@ -66,19 +66,19 @@ FusedLstmGradsResult fused_lstm_layer_backward_batched(
               "batchrules.fused_lstm_layer_backward: a forward over folded rows cannot be "
               "differentiated per example (a routing invariant; please report)");
   const std::vector<BatchedResult> ops = {
-      unwrap_at(input, level),       unwrap_at(w_ih, level),        unwrap_at(w_hh, level),
-      optional_at(b_ih, level),      optional_at(b_hh, level),      unwrap_at(h0, level),
-      unwrap_at(c0, level),          unwrap_at(output, level),      unwrap_at(h_n, level),
-      unwrap_at(c_n, level),         optional_at(grad_output, level), optional_at(grad_h_n, level),
+      unwrap_at(input, level),     unwrap_at(w_ih, level),          unwrap_at(w_hh, level),
+      optional_at(b_ih, level),    optional_at(b_hh, level),        unwrap_at(h0, level),
+      unwrap_at(c0, level),        unwrap_at(output, level),        unwrap_at(h_n, level),
+      unwrap_at(c_n, level),       optional_at(grad_output, level), optional_at(grad_h_n, level),
       optional_at(grad_c_n, level)};
   const int64_t batch = vmap_size_of(ops);
   // See Note [The fused layer's workspace list].
   const int64_t part = per_member && batch > 0 ? static_cast<int64_t>(workspace.size()) / batch
-                                              : static_cast<int64_t>(workspace.size());
+                                               : static_cast<int64_t>(workspace.size());
   TORCH_CHECK(!per_member || batch == 0 || part * batch == static_cast<int64_t>(workspace.size()),
               "batchrules.fused_lstm_layer_backward: expected the workspace list of the forward, "
-              "a multiple of the ", batch, " members' (batched weights), but got ",
-              workspace.size(), " entries");
+              "a multiple of the ",
+              batch, " members' (batched weights), but got ", workspace.size(), " entries");
   const auto outs = per_example(ops, batch, [&](const std::vector<Tensor>& a, int64_t b) {
     const at::TensorList mine = workspace.slice(per_member ? b * part : 0, part);
     auto [dx, dwi, dwh, dbi, dbh, dh, dc] = fused_lstm_layer_backward_op().call(

@@ -33,10 +33,10 @@ std::vector<Tensor> per_example(
   for (int64_t b = 0; b < calls; ++b) {
     std::vector<Tensor> args;
     for (const auto& [t, bdim] : operands) {
-      args.push_back(!t.defined()          ? t
-                     : !bdim.has_value()   ? t.contiguous()
-                     : batch == 0          ? at::zeros_symint(logical_sizes(t, bdim), t.options())
-                                           : t.select(*bdim, b).contiguous());
+      args.push_back(!t.defined()        ? t
+                     : !bdim.has_value() ? t.contiguous()
+                     : batch == 0        ? at::zeros_symint(logical_sizes(t, bdim), t.options())
+                                         : t.select(*bdim, b).contiguous());
     }
     auto outs = call(args, b);
     if (slices.empty()) {
@@ -72,8 +72,8 @@ BatchedLstmLayer batched_lstm_layer(
     folded[0] = fold_rows(std::get<0>(operands[0]), std::get<1>(operands[0]), 1, batch);
     folded[5] = fold_rows(std::get<0>(operands[5]), std::get<1>(operands[5]), 0, batch);
     folded[6] = fold_rows(std::get<0>(operands[6]), std::get<1>(operands[6]), 0, batch);
-    const int64_t rows = logical_sizes(std::get<0>(operands[0]), std::get<1>(operands[0]))[1]
-                             .expect_int();
+    const int64_t rows =
+        logical_sizes(std::get<0>(operands[0]), std::get<1>(operands[0]))[1].expect_int();
     LstmLayerCall r = call(folded);
     return {wrap(unfold_rows(r.output, 1, batch, rows), 1),
             wrap(unfold_rows(r.h_n, 0, batch, rows), 0),

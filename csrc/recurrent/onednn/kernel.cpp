@@ -33,7 +33,8 @@ void check_fused_operands(const Tensor& input, const Tensor& w_hh, const OptTens
                           const OptTensor& b_hh) {
   TORCH_CHECK(input.dim() == 3 && input.device().is_cpu() && input.scalar_type() == at::kFloat,
               "batchrules.fused_lstm_layer: expected a float32 CPU input of shape [T, N, I], "
-              "but got ", input.scalar_type(), " on ", input.device(), " of shape ", input.sizes());
+              "but got ",
+              input.scalar_type(), " on ", input.device(), " of shape ", input.sizes());
   TORCH_CHECK((b_ih.has_value() && b_ih->defined()) == (b_hh.has_value() && b_hh->defined()),
               "batchrules.fused_lstm_layer: expected both biases or neither");
   TORCH_CHECK(w_hh.dim() == 2 && w_hh.size(0) == 4 * w_hh.size(1),
@@ -42,8 +43,8 @@ void check_fused_operands(const Tensor& input, const Tensor& w_hh, const OptTens
 }
 
 FusedLstmResult fused_lstm_layer_cpu(const Tensor& input, const Tensor& w_ih, const Tensor& w_hh,
-                                     const OptTensor& b_ih, const OptTensor& b_hh,
-                                     const Tensor& h0, const Tensor& c0, bool reverse) {
+                                     const OptTensor& b_ih, const OptTensor& b_hh, const Tensor& h0,
+                                     const Tensor& c0, bool reverse) {
   check_fused_operands(input, w_hh, b_ih, b_hh);
   const at::AutoGradMode training(true);  // for the workspace the backward reads
   auto [out, h_n, c_n, workspace] =
@@ -57,9 +58,10 @@ FusedLstmGradsResult fused_lstm_layer_backward_cpu(
     const Tensor& h_n, const Tensor& c_n, const OptTensor& grad_output, const OptTensor& grad_h_n,
     const OptTensor& grad_c_n, at::TensorList workspace, bool reverse) {
   check_fused_operands(input, w_hh, b_ih, b_hh);
-  TORCH_CHECK(workspace.size() == 1, "batchrules.fused_lstm_layer_backward: expected the "
-              "workspace list of one fused_lstm_layer call (1 entry), but got ", workspace.size(),
-              " entries");
+  TORCH_CHECK(workspace.size() == 1,
+              "batchrules.fused_lstm_layer_backward: expected the "
+              "workspace list of one fused_lstm_layer call (1 entry), but got ",
+              workspace.size(), " entries");
   const OneDnnBiases b = onednn_biases(b_ih, b_hh, w_hh);
   auto [dx, dw_ih, dw_hh, db_ih, db_hh, dh0, dc0] = at::mkldnn_rnn_layer_backward(
       input.contiguous(), w_ih, w_hh, b.ih, b.hh, h0.contiguous(), c0.contiguous(), output, h_n,
@@ -75,8 +77,8 @@ FusedLstmGradsResult fused_lstm_layer_backward_cpu(
 }  // namespace
 
 RecurrenceResult onednn_lstm_forward(const Tensor& x, const Tensor& w_ih, const Tensor& w_hh,
-                                     const OptTensor& b_ih, const OptTensor& b_hh,
-                                     const Tensor& h0, const Tensor& c0, bool reverse, bool train) {
+                                     const OptTensor& b_ih, const OptTensor& b_hh, const Tensor& h0,
+                                     const Tensor& c0, bool reverse, bool train) {
   const OneDnnBiases b = onednn_biases(b_ih, b_hh, w_hh);
   auto [out, hy, cy, ws] = at::mkldnn_rnn_layer(
       x.contiguous(), w_ih, w_hh, b.ih, b.hh, h0.contiguous(), c0.contiguous(), reverse, {},

@@ -63,9 +63,9 @@ bool onednn_runs_it(const Tensor& input, at::TensorList hx, at::TensorList param
 }
 
 struct WeightBatching {
-  bool somewhere = false;      // some weight batched at some vmap level
-  bool per_example = false;    // a grad level inside a vmap level that some weight is not
-                               // batched at: that weight's gradient is asked for per example
+  bool somewhere = false;    // some weight batched at some vmap level
+  bool per_example = false;  // a grad level inside a vmap level that some weight is not
+                             // batched at: that weight's gradient is asked for per example
 };
 
 WeightBatching weight_batching(at::TensorList params) {
