@@ -41,8 +41,8 @@ class HiddenUse(LinearUse):
 
     reset: Optional[Tensor] = None  # GRU: r, [B, T*N, H]
 
-    def set_grad(self, grad: Optional[Tensor]) -> None:
-        if grad is not None and self.reset is not None:
+    def set_grad(self, grad: Tensor) -> None:
+        if self.reset is not None:
             hidden = self.reset.shape[-1]
             g = grad.view(*self.reset.shape[:2], -1)
             grad = torch.cat([g[..., :2 * hidden], g[..., 2 * hidden:] * self.reset], -1)
