@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.func import vmap
 
-from attention_reference import (B, E, FLASH_CPU, FLASH_CPU_BACKWARD, H, KV_H, L, MASK_SHAPES,
+from attention_reference import (B, E, FLASH_CPU, FLASH_CPU_BACKWARD, H, KV_H, L, MASK_SHAPES, flash,
                                  N, S, attention_args, in_dims_combinations, loop, sdpa)
 from batching_reference import example, physical
 
@@ -23,10 +23,6 @@ OPTIONS = {  # kwargs of the fused op / SDPA besides the mask
     "causal": {"is_causal": True},
     "scale": {"scale": 0.3},
 }
-
-
-def flash(q, k, v, mask=None, **kw):
-    return FLASH_CPU(q, k, v, attn_mask=mask, **kw)
 
 
 # (mask, option, with a middle bdim too): every mask shape plainly, the options

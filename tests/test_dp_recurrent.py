@@ -11,8 +11,7 @@ from torch.func import functional_call
 
 import batchrules
 from batchrules.dp import clipping
-from dp_reference import assert_close_rel, loop_clipped_grad
-from test_dp_models import check_model, data, kinds  # noqa: F401 (a fixture)
+from dp_reference import assert_close_rel, check_model, data, loop_clipped_grad
 
 
 class LastStep(nn.Module):

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.func import vmap
 
 from batching_reference import all_bdims, loop_reference
-from conftest import available_devices
+from conftest import assert_close, available_devices
 
 A = torch.ops.aten
 B, N, C, H, W = 3, 4, 5, 2, 3
@@ -26,11 +26,6 @@ REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 DTYPE = torch.float64
 
 pytestmark = pytest.mark.usefixtures("no_vmap_fallback", "routing_on")
-
-
-@pytest.fixture(autouse=True)
-def seeded() -> None:
-    torch.manual_seed(0)
 
 
 def batched(make: Callable[[int], Tensor], bdim: Optional[int]) -> Tensor:
@@ -57,10 +52,6 @@ def floats(shape: Sequence[int], positive: bool = False) -> Callable[[int], Tens
     return make
 
 
-def assert_close(actual, expected, msg: str) -> None:
-    torch.testing.assert_close(actual, expected, equal_nan=True, msg=lambda m: f"{msg}\n{m}")
-
-
 def run(fn: Callable, args: List[Optional[Tensor]], in_dims: Sequence[Optional[int]],
         msg: str) -> None:
     """vmap(fn) against the loop, skipping the all-shared combination."""
@@ -69,7 +60,7 @@ def run(fn: Callable, args: List[Optional[Tensor]], in_dims: Sequence[Optional[i
     dims = tuple(None if a is None else d for a, d in zip(args, in_dims))
     expected = loop_reference(fn, args, dims, B)
     actual = vmap(fn, in_dims=dims)(*args)
-    assert_close(actual, expected, msg)
+    assert_close(actual, expected, msg, equal_nan=True)
 
 
 # (op, logical self shape, logical target shape)
@@ -143,7 +134,7 @@ def test_nll_backward_target_of_one_element() -> None:
     actual = vmap(lambda *a: A.nll_loss_backward(a[0], a[1], a[2], None, 1, -100, a[3]))(g, x, t, tw)
     expected = vmap(lambda *a: A.nll_loss_backward(a[0], a[1], a[2], None, 1, -100, a[3]))(
         g, x, t.squeeze(1), tw)
-    assert_close(actual, expected, "[1] target")
+    assert_close(actual, expected, "[1] target", equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int64])
@@ -153,7 +144,8 @@ def test_nll_target_dtypes(dtype: torch.dtype) -> None:
     t = torch.randint(0, C, (B, N)).to(dtype)
     for ignore in (-100, IGNORE):
         fn = lambda a, b: A.nll_loss_forward(a, b, torch.ones(C, dtype=DTYPE), 1, ignore)
-        assert_close(vmap(fn)(x, t), loop_reference(fn, [x, t], (0, 0), B), f"ignore {ignore}")
+        assert_close(vmap(fn)(x, t), loop_reference(fn, [x, t], (0, 0), B), f"ignore {ignore}",
+                     equal_nan=True)
 
 
 POINTWISE = {
@@ -202,7 +194,7 @@ def test_pointwise_backward_broadcasts_like_stock(loss: str) -> None:
     fn = lambda g_, x_, t_: op(g_, x_, t_, 1)
     actual = vmap(fn, in_dims=(0, 0, None))(g, x, t)
     expected = torch.stack([op(g[i], x[i].expand(2, 3), t, 2) / x[i].numel() for i in range(B)])
-    assert_close(actual, expected, "broadcast")
+    assert_close(actual, expected, "broadcast", equal_nan=True)
 
 
 @pytest.mark.parametrize("device", available_devices())

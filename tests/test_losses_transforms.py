@@ -19,6 +19,7 @@ from torch.autograd.functional import jacobian as eager_jacobian
 from torch.func import grad, hessian, jacfwd, jacrev, vmap
 
 import batchrules
+from conftest import assert_close
 
 B, N, C = 3, 4, 5
 IGNORE = 1
@@ -106,11 +107,6 @@ SCALAR_CASES = [k for k in CASES if "none" not in k]
 # torch.func agree on it, so it stays in.
 
 
-@pytest.fixture(autouse=True)
-def seeded() -> None:
-    torch.manual_seed(0)
-
-
 def make_batch(case: LossCase, batch: int = B) -> Tuple[Tensor, Tensor]:
     x = torch.randn((batch,) + case.input_shape, dtype=DTYPE)
     return x, torch.stack([case.target(i) for i in range(batch)])
@@ -143,18 +139,14 @@ def eager_jacfwd(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     return torch.stack(columns, -1).view(columns[0].shape + x.shape)
 
 
-def assert_close(actual: Tensor, expected: Tensor) -> None:
-    torch.testing.assert_close(actual, expected, equal_nan=True)
-
-
 def check_both_routings(transformed: Callable, args: Sequence[Tensor], expected: Tensor) -> None:
     """The transform matches the reference with routing on, and equals routing off."""
     with batchrules.enabled(True):
         routed = transformed(*args)
-    assert_close(routed, expected)
+    assert_close(routed, expected, equal_nan=True)
     with batchrules.enabled(False):
         stock = transformed(*args)
-    assert_close(routed, stock)
+    assert_close(routed, stock, equal_nan=True)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -15,7 +15,8 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_leaves, tree_map
 
-from recurrent_reference import (B, KINDS, LSTM_ONLY, PROJ, RNN_CASES, assert_close, batched, call,
+from conftest import assert_close
+from recurrent_reference import (B, KINDS, LSTM_ONLY, PROJ, RNN_CASES, batched, call,
                                  check_forward, ensemble, input_shape, loop, make_cell, make_hx,
                                  make_rnn, routed, scalar)
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.func import functional_call, grad, vmap
 
-from recurrent_reference import (B, HIDDEN, IN, N, RNN_CASES, T, assert_close, batched, call,
+from conftest import assert_close
+from recurrent_reference import (B, HIDDEN, IN, N, RNN_CASES, T, batched, call,
                                  ensemble, input_shape, loop, make_hx, make_rnn, routed)
 
 F32 = torch.float32

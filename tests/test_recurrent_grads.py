@@ -16,7 +16,8 @@ from torch.func import functional_call, grad, jacfwd, jacrev, vmap
 from torch.utils._pytree import tree_map
 
 import batchrules
-from recurrent_reference import (B, KINDS, PROJ, assert_close, batched, call, ensemble,
+from conftest import assert_close, params_of
+from recurrent_reference import (B, KINDS, PROJ, batched, call, ensemble,
                                  example_args, input_shape, leaves_like, make_cell, make_hx,
                                  make_rnn, routed, scalar, stack)
 
@@ -39,10 +40,6 @@ def first(output):
 def module_and_input(kind: str, name: str, per_example_batch: bool = True):
     module = MODULES[name](kind)
     return module, batched(input_shape(module, per_example_batch), 0)
-
-
-def params_of(module: nn.Module) -> dict:
-    return {k: v.detach() for k, v in module.named_parameters()}
 
 
 def eager_grads(module: nn.Module, x, hx, wrt: str):

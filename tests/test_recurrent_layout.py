@@ -11,7 +11,7 @@ from torch.func import functional_call
 from torch.profiler import profile
 
 import batchrules
-from test_recurrent_fused_cell import GATES, operands
+from recurrent_reference import operands
 
 recurrence = torch.ops.batchrules.rnn_recurrence.default
 MODES = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
