@@ -9,9 +9,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-
 from batching_reference import BDim, example, physical
+from torch import Tensor
 
 FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default

@@ -10,12 +10,12 @@ import copy
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from conftest import assert_close, vmap_fallback_off
 from torch import Tensor, nn
 from torch.func import functional_call, stack_module_state, vmap
 from torch.utils._pytree import tree_leaves, tree_map
 
 import batchrules
-from conftest import assert_close, vmap_fallback_off
 
 KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 B = 2  # vmap size (examples, or ensemble members)

@@ -5,10 +5,10 @@ kernel follows vmap's randomness modes; disable() restores stock exactly.
 """
 import pytest
 import torch
+from attention_reference import N, attention_args, flash, sdpa
 from torch.func import vmap
 
 import batchrules
-from attention_reference import N, attention_args, flash, sdpa
 from batchrules._compat import dispatch_has_kernel
 
 FUSED_CPU = ["aten::_scaled_dot_product_flash_attention_for_cpu",

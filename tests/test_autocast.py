@@ -11,12 +11,12 @@ from typing import Any, Callable, Dict
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import params_of
+from dp_reference import assert_close_rel, materialized_clipped_grad
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, jvp, stack_module_state, vmap
 
 import batchrules
-from conftest import params_of
-from dp_reference import assert_close_rel, materialized_clipped_grad
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 AMP = [pytest.param(("cpu", torch.bfloat16), id="cpu-bf16"),

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import DISTRIBUTED, WORLD, spawn
 from torch.func import functional_call, grad, vmap
 
 import batchrules
-from conftest import DISTRIBUTED, WORLD, spawn
 
 pytestmark = DISTRIBUTED
 

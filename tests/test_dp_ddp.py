@@ -6,11 +6,11 @@ import os
 
 import torch
 import torch.distributed as dist
+from conftest import DEADLINE_S, DISTRIBUTED, WORLD, spawn
 from torch import nn
 
 from batchrules.dp import all_reduce_flat
 from batchrules.examples import dp_sgd, dp_sgd_ranks
-from conftest import DEADLINE_S, DISTRIBUTED, WORLD, spawn
 
 pytestmark = DISTRIBUTED
 

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import DEADLINE_S, DISTRIBUTED, WORLD, spawn
 from torch import nn
 
 from batchrules.dp import reduce_scatter_flat, unsharded
 from batchrules.examples import dp_sgd, dp_sgd_ranks
-from conftest import DEADLINE_S, DISTRIBUTED, WORLD, spawn
 
 pytestmark = DISTRIBUTED
 

@@ -7,6 +7,7 @@ import gc
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_close, params_of
 from torch import nn
 from torch.func import functional_call
 from torch.profiler import ProfilerActivity, profile
@@ -14,7 +15,6 @@ from torch.profiler import ProfilerActivity, profile
 import batchrules
 from batchrules.dp import clipped_grad_chunked
 from batchrules.examples import dp_sgd
-from conftest import assert_close, params_of
 
 
 def mlp_loss(model):

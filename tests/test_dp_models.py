@@ -9,14 +9,13 @@ to per-sample copies fails here.
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import BATCH, assert_close_rel, check_model, data, loop_clipped_grad
 from torch import Tensor, nn
 from torch.func import functional_call
 
 import batchrules
 from batchrules.dp.cost import ghost_is_cheaper
 from batchrules.dp.layers import conv as conv_rule
-from dp_reference import BATCH, assert_close_rel, check_model, data, loop_clipped_grad
-
 
 
 def test_mlp_one_row(routing, kinds) -> None:

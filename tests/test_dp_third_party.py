@@ -15,11 +15,11 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Type
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import clip_coef, materialized_clipped_grad, per_sample_norms
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 import batchrules
-from dp_reference import clip_coef, materialized_clipped_grad, per_sample_norms
 
 REL = 1e-9
 VOCAB = 97

@@ -8,11 +8,11 @@ tensor formed for the tied weight while clipping.
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import assert_close_rel, check_model
 from torch import Tensor, nn
 
 from batchrules.dp.cost import cross_inner
 from batchrules.dp.rule import Factors
-from dp_reference import assert_close_rel, check_model
 
 BATCH, VOCAB, DIM = 5, 13, 6
 

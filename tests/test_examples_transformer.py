@@ -7,12 +7,12 @@ from typing import Dict, Optional
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_close
 from torch import Tensor
 from torch.func import functional_call, grad, vmap
 
 import batchrules
 from batchrules.examples import transformer
-from conftest import assert_close
 
 pytestmark = pytest.mark.usefixtures("routing_on", "no_vmap_fallback")
 

@@ -13,13 +13,13 @@ from typing import Callable, Optional, Sequence, Tuple
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_close
 from torch import Tensor
 from torch.autograd.functional import hessian as eager_hessian
 from torch.autograd.functional import jacobian as eager_jacobian
 from torch.func import grad, hessian, jacfwd, jacrev, vmap
 
 import batchrules
-from conftest import assert_close
 
 B, N, C = 3, 4, 5
 IGNORE = 1
@@ -113,7 +113,9 @@ def make_batch(case: LossCase, batch: int = B) -> Tuple[Tensor, Tensor]:
 
 
 def loop(fn: Callable, x: Tensor, t: Tensor, in_dims: Sequence[Optional[int]]) -> Tensor:
-    pick = lambda a, d, i: a if d is None else a.select(d, i)
+    def pick(a, d, i):
+        return a if d is None else a.select(d, i)
+
     return torch.stack([fn(pick(x, in_dims[0], i), pick(t, in_dims[1], i)) for i in range(B)])
 
 
@@ -238,6 +240,8 @@ def test_class_weights_per_model() -> None:
     """Per-model class weights, batched with the logits (in_dims=(0, None, 0))."""
     x, t = make_batch(CASES["ce_mean"])
     w = torch.rand(B, C, dtype=DTYPE) + 0.5
-    fn = lambda x_, t_, w_: F.cross_entropy(x_, t_, w_, ignore_index=IGNORE)
+    def fn(x_, t_, w_):
+        return F.cross_entropy(x_, t_, w_, ignore_index=IGNORE)
+
     expected = torch.stack([eager_grad(lambda a, b: fn(a, b, w[i]))(x[i], t[1]) for i in range(B)])
     check_both_routings(vmap(grad(fn), in_dims=(0, None, 0)), (x, t[1], w), expected)

@@ -7,11 +7,11 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from recurrent_reference import GRU, LSTM, operands, transposed_rows
 from torch import nn
 from torch.func import grad, vmap
 
 import batchrules
-from recurrent_reference import GRU, LSTM, operands, transposed_rows
 
 recurrence = torch.ops.batchrules.rnn_recurrence.default
 

@@ -10,16 +10,30 @@ import functools
 
 import pytest
 import torch
+from conftest import assert_close, params_of
+from recurrent_reference import (
+    KINDS,
+    PROJ,
+    B,
+    batched,
+    call,
+    ensemble,
+    example_args,
+    input_shape,
+    leaves_like,
+    make_cell,
+    make_hx,
+    make_rnn,
+    routed,
+    scalar,
+    stack,
+)
 from torch import nn
 from torch.autograd.functional import jacobian
 from torch.func import functional_call, grad, jacfwd, jacrev, vmap
 from torch.utils._pytree import tree_map
 
 import batchrules
-from conftest import assert_close, params_of
-from recurrent_reference import (B, KINDS, PROJ, batched, call, ensemble,
-                                 example_args, input_shape, leaves_like, make_cell, make_hx,
-                                 make_rnn, routed, scalar, stack)
 
 MODULES = {  # name: builder of a float64 module
     "one_layer": lambda kind: make_rnn(kind),

@@ -31,8 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 import torch
 from torch import Tensor, nn
 from torch.func import vmap
-from torch.utils._pytree import (keystr, tree_flatten, tree_flatten_with_path, tree_map,
-                                 tree_unflatten)
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from .. import routing
 from .._compat import batched_level, current_transform_level, unwrap_batched, vmap_over_tensors

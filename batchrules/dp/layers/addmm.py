@@ -13,8 +13,16 @@ import torch
 from torch import Tensor
 
 from ..gemm import clipped_gemm
-from ..rule import (NOT_HANDLED, Factors, autocast_matches, batched, bind, physical, register,
-                    register_clipping)
+from ..rule import (
+    NOT_HANDLED,
+    Factors,
+    autocast_matches,
+    batched,
+    bind,
+    physical,
+    register,
+    register_clipping,
+)
 from ..tape import Tape, tap, weight_for
 from .linear import LinearClipping, LinearUse, shared_bias
 

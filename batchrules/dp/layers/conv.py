@@ -44,8 +44,18 @@ from torch.autograd.graph import GradientEdge
 
 from ..cost import chunked, ghost_is_cheaper, pair_norms_sq, sq_norms, transient_per_sample
 from ..gemm import clipped_gemm
-from ..rule import (NOT_HANDLED, Clipping, Factors, Use, autocast_matches, batched, bind, physical,
-                    register, register_clipping)
+from ..rule import (
+    NOT_HANDLED,
+    Clipping,
+    Factors,
+    Use,
+    autocast_matches,
+    batched,
+    bind,
+    physical,
+    register,
+    register_clipping,
+)
 from ..tape import Param, Tape, tap, weight_for
 from .conv_geometry import explicit_padding, ints, pixel_tap
 from .linear import shared_bias, writable

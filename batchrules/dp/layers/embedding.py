@@ -22,8 +22,18 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
 from ..cost import sq_norms
-from ..rule import (NOT_HANDLED, Clipping, Factors, Use, batched, bind, cat_rows, physical, register,
-                    register_clipping)
+from ..rule import (
+    NOT_HANDLED,
+    Clipping,
+    Factors,
+    Use,
+    batched,
+    bind,
+    cat_rows,
+    physical,
+    register,
+    register_clipping,
+)
 from ..tape import Param, Tape, tap, weight_for
 
 _EMBEDDING_ARGS = (("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",

@@ -37,7 +37,6 @@ from torch.autograd.graph import GradientEdge
 from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
 from ..tape import Param, Tape, tap, weight_for
 
-
 _LAYER_NORM_ARGS = (("input", "normalized_shape", "weight", "bias", "eps"), (None, None, 1e-5))
 
 

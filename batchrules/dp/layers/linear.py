@@ -19,8 +19,18 @@ from torch.autograd.graph import GradientEdge
 from ..._compat import batched_level
 from ..cost import rows_norms_sq
 from ..gemm import clipped_gemm
-from ..rule import (NOT_HANDLED, Clipping, Factors, Use, autocast_matches, batched, bind, physical,
-                    register, register_clipping)
+from ..rule import (
+    NOT_HANDLED,
+    Clipping,
+    Factors,
+    Use,
+    autocast_matches,
+    batched,
+    bind,
+    physical,
+    register,
+    register_clipping,
+)
 from ..tape import Param, Tape, tap, weight_for
 
 _LINEAR_ARGS = (("input", "weight", "bias"), (None,))
