@@ -35,7 +35,8 @@ outputs on, the kernel is faster (0.53 vs 0.92 ms at 128->128).
 """
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from types import EllipsisType
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -202,7 +203,8 @@ class ConvUse(Use):
         pixel = pixel_tap(tuple(folded.shape[2:]), tuple(w.shape[2:]), stride, padding, dilation)
         if pixel is not None and groups == 1:  # Note [A convolution over one pixel]
             # the tap's [O, C] slice made contiguous once, for the forward's GEMM and the backward's
-            w_tap = w_op[(..., *pixel)].contiguous()
+            index: Tuple[Union[EllipsisType, int], ...] = (..., *pixel)
+            w_tap = w_op[index].contiguous()
             flat = F.linear(folded.flatten(1), w_tap, b_op)  # B*N,C x O,C -> B*N,O
             edge, out = tap(flat), flat.view(*flat.shape, *[1] * dims)
         else:
