@@ -11,14 +11,15 @@ them under torch.func transforms; ``clipped_grad`` is the DP-SGD transform
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from ._build_check import check_build as _check_build
+# isort: split
+# Importing it refuses an extension built for another torch, before _C loads.
+from . import _build_check  # noqa: F401
 
-_check_build()  # before loading _C: was it built for this torch?
-
-from . import _C  # noqa: E402, F401  (registers the operators)
+# isort: split
+from . import _C  # noqa: F401  (registers the operators)
+from ._post_import import when_imported as _when_imported
 from .activations import *  # noqa: F401, F403  (silu, silu_backward, mish, ...)
 from .activations import __all__ as _activation_entries
-from ._post_import import when_imported as _when_imported
 from .compile import install as _install_compile_hooks
 from .dp import clipped_grad
 from .linear import linear, linear_backward

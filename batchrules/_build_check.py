@@ -1,6 +1,6 @@
 """Refuse to load a C++ extension built for another torch.
 
-Runs at ``import batchrules`` before the extension is loaded: an extension
+Runs when imported, which ``import batchrules`` does before loading the extension: an extension
 compiled against one torch can fail to load against another (an undefined
 symbol) or, worse, load and misbehave, because libtorch's C++ ABI changes with
 every release. setup.py records the torch it compiled against in
@@ -24,7 +24,7 @@ def rebuild_command(info: Optional[ModuleType]) -> str:
     in_place = info is None or info.IN_PLACE
     # An in-place build is imported from its checkout: rebuild where it is now
     # (it may have moved since); otherwise from the checkout it was built in.
-    source = os.path.dirname(_PACKAGE_DIR) if in_place else info.SOURCE_DIR
+    source = info.SOURCE_DIR if info is not None and not in_place else os.path.dirname(_PACKAGE_DIR)
     if os.path.isfile(os.path.join(source, "setup.py")):
         return f"pip install --no-build-isolation {'-e ' if in_place else ''}{source}"
     # A wheel whose checkout is gone (or was on another machine).
@@ -68,3 +68,6 @@ def check_build() -> None:
             f"batchrules: the C++ extension does not match this environment: {reason}. A C++ "
             "extension only works with the exact torch it was compiled against. Rebuild it "
             f"with:\n    {rebuild_command(info)}")
+
+
+check_build()  # on import: ``import batchrules`` imports this module before the extension

@@ -42,10 +42,12 @@ def batched_level(tensor: Tensor) -> int:
     return torch._C._functorch.maybe_get_level(tensor)
 
 
-def unwrap_batched(tensor: Tensor, level: int) -> Tuple[Tensor, Optional[int]]:
-    """``(physical tensor, batch dim)`` of a tensor batched at ``level``;
-    ``(tensor, None)`` when it is not batched at that level."""
-    return torch._C._functorch._unwrap_batched(tensor, level)
+def unwrap_batched(tensor: Tensor, level: int) -> Tuple[Tensor, int]:
+    """``(physical tensor, batch dim)`` of a tensor batched at ``level``
+    (``batched_level(tensor) == level``)."""
+    value, bdim = torch._C._functorch._unwrap_batched(tensor, level)
+    assert bdim is not None, "unwrap_batched: not batched at this level"
+    return value, bdim
 
 
 def add_batch_dim(tensor: Tensor, batch_dim: int, level: int) -> Tensor:

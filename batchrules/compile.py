@@ -55,7 +55,7 @@ compiled code after clearing Inductor's cache directory.
 """
 import functools
 from types import ModuleType
-from typing import Any, Callable, Optional, Tuple, TypeVar
+from typing import Any, Callable, Optional, ParamSpec, Tuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -67,7 +67,8 @@ from . import _C
 from ._post_import import when_imported
 from .activations import ACTIVATIONS
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # Every batchrules operator: each has a CompositeExplicitAutograd kernel to trace.
 OPS: Tuple[str, ...] = ("batchrules::linear", "batchrules::linear_backward") + tuple(
@@ -92,7 +93,7 @@ def register_linear_polyfill(dynamo: ModuleType) -> None:
         return linear(input, weight, bias)
 
 
-def eager_under_compile(fn: F) -> F:
+def eager_under_compile(fn: Callable[P, R]) -> Callable[P, R]:
     """Decorator: ``torch.compile`` never traces ``fn``; a compiled function
     calling it breaks its graph there and runs ``fn`` eagerly.
 
@@ -102,7 +103,7 @@ def eager_under_compile(fn: F) -> F:
     so the decorated function calls ``fn`` itself until ``torch._dynamo`` is
     imported (nothing compiles before), and ``disable(fn)`` from then on.
     """
-    run: Callable[..., Any] = fn
+    run: Callable[P, R] = fn
 
     def disable_in_dynamo(dynamo: ModuleType) -> None:
         nonlocal run
@@ -111,10 +112,10 @@ def eager_under_compile(fn: F) -> F:
     when_imported("torch._dynamo", disable_in_dynamo)
 
     @functools.wraps(fn)
-    def eager(*args: Any, **kwargs: Any) -> Any:
+    def eager(*args: P.args, **kwargs: P.kwargs) -> R:
         return run(*args, **kwargs)
 
-    return eager  # type: ignore[return-value]
+    return eager
 
 
 def _plain(types: Tuple[type, ...]) -> bool:

@@ -9,12 +9,18 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-
 from batching_reference import BDim, example, physical
+from torch import Tensor
 
 FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def flash(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
+          **kw: object) -> Tuple[Tensor, Tensor]:
+    """The CPU flash-attention op, the mask as SDPA names it."""
+    return FLASH_CPU(q, k, v, attn_mask=mask, **kw)
+
 
 # An example: attention batch B, heads H (key/value KV_H for GQA), lengths L/S, head dim E.
 B, H, KV_H, L, S, E = 2, 4, 2, 5, 6, 8

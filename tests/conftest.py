@@ -1,4 +1,4 @@
-"""Shared pytest fixtures and markers for the batchrules test suite.
+"""Shared pytest fixtures, helpers and markers for the batchrules test suite.
 
 Markers (registered in pyproject.toml):
   slow                 a test that takes seconds; each one says why it is worth it.
@@ -15,12 +15,20 @@ oversubscribe the machine, and the tests of each XDIST_GROUPS group run on one w
 import contextlib
 import importlib
 import os
-from typing import Dict, Iterator, List, Optional
+import socket
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-import batchrules  # noqa: F401  (registers the operators)
+import batchrules
+from batchrules.dp import clipping, transform
 
 
 def _xdist_worker_threads() -> Optional[int]:
@@ -94,6 +102,36 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                             f"pip install {marker.kwargs.get('pip', name)}")
 
 
+# The distributed tests: 2 gloo ranks, spawned, under a wall-clock deadline (a
+# hung collective fails the test instead of hanging CI); one xdist worker runs
+# them (XDIST_GROUPS).
+WORLD = 2
+DEADLINE_S = 180.0
+DISTRIBUTED = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                  reason="torch.distributed with gloo is not available"),
+               # slow: each test spawns 2 processes that import torch; the only run of the
+               # rules across real process groups (DDP all-reduce, DTensor sharding).
+               pytest.mark.slow]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(worker: Callable[..., None], *args: object) -> None:
+    """Run ``worker(rank, port, *args)`` on WORLD processes; fail on error or deadline."""
+    context = mp.start_processes(worker, args=(free_port(), *args), nprocs=WORLD, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + DEADLINE_S
+    while not context.join(timeout=1.0):  # raises if a rank failed (and stops the others)
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail(f"distributed workers still running after {DEADLINE_S}s")
+
+
 def available_devices() -> List[str]:
     """CPU always; CUDA when a GPU is present (tests parametrized over it skip cleanly without)."""
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -105,6 +143,18 @@ def seeded() -> None:
     in its process: under pytest-xdist the tests a worker runs, and their order,
     change from run to run, and unseeded random inputs would change with them."""
     torch.manual_seed(0)
+
+
+def params_of(model: nn.Module) -> Dict[str, Tensor]:
+    """A module's parameters, detached, by name: what functional_call takes."""
+    return {k: p.detach() for k, p in model.named_parameters()}
+
+
+def assert_close(actual: Any, expected: Any, msg: str = "", **tol: Any) -> None:
+    """torch.testing.assert_close on tensors or pytrees of them (structure,
+    shapes, dtypes, values; ``tol``: its keyword arguments), ``msg`` leading
+    the failure's message."""
+    torch.testing.assert_close(actual, expected, msg=lambda m: f"{msg}\n{m}" if msg else m, **tol)
 
 
 @contextlib.contextmanager
@@ -154,3 +204,45 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def kinds(monkeypatch: pytest.MonkeyPatch) -> Dict[str, str]:
+    """The kind (dp/clipping.py) each parameter of the last clipped_grad call took."""
+    seen: Dict[str, str] = {}
+    original = clipping.kind
+
+    def record(param: Any) -> str:
+        key = param.name[param.name.index("['") + 2:param.name.rindex("']")]  # argument 0['key']
+        seen[key] = original(param)
+        return seen[key]
+
+    monkeypatch.setattr(clipping, "kind", record)
+    return seen
+
+
+class Shapes(TorchDispatchMode):
+    """The shape of every tensor an op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: List[Tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in tree_leaves(out) if isinstance(t, Tensor)]
+        return out
+
+
+@pytest.fixture
+def clip_shapes(monkeypatch: pytest.MonkeyPatch) -> List[Tuple[int, ...]]:
+    """The shapes of the tensors formed by clipped_grad's clip step (norms and sums)."""
+    mode = Shapes()
+    original = transform.clip
+
+    def clip(*args: Any) -> Any:
+        with mode:
+            return original(*args)
+
+    monkeypatch.setattr(transform, "clip", clip)
+    return mode.shapes

@@ -2,15 +2,22 @@
 
 Independent of vmap and of batchrules: each sample's arguments are sliced out
 along their in_dims (pytrees of dims included) and its loss is differentiated
-on its own, in float64 where the tests ask for it.
+on its own, in float64 where the tests ask for it. Also the clipping of
+materialized per-sample gradients (vmap(grad)'s), and the comparisons the DP
+tests make (``check_model``: clipped_grad against the loop).
 """
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+import batchrules
+
 EPS = 1e-6
+BATCH = 5  # check_model's data
 
 
 def _select(arg: Any, dims: Any, i: int) -> Any:
@@ -68,7 +75,7 @@ def loop_clipped_grad(loss: Callable[..., Any], max_norm: float, args: Sequence[
     norms = torch.stack([torch.cat([g.flatten() for g in row]).norm() if row else
                          torch.zeros((), dtype=torch.float64) for row in rows]) \
         if rows else torch.zeros(0, dtype=leaves[0].dtype if leaves else torch.float64)
-    coef = (max_norm / (norms + EPS)).clamp(max=1.0)
+    coef = clip_coef(norms, max_norm)
     sums = [sum((c * row[k] for c, row in zip(coef, rows)), torch.zeros_like(leaf))
             for k, leaf in enumerate(leaves)]
     it = iter(sums)
@@ -77,14 +84,59 @@ def loop_clipped_grad(loss: Callable[..., Any], max_norm: float, args: Sequence[
     return (results if isinstance(argnums, tuple) else results[0]), norms
 
 
-def assert_close_rel(actual: Any, expected: Any, rel: float = 1e-10) -> None:
+def clip_coef(norms: Tensor, max_norm: float) -> Tensor:
+    """Each sample's clipping coefficient ``min(1, max_norm / (norm + EPS))``."""
+    return (max_norm / (norms + EPS)).clamp(max=1.0)
+
+
+def per_sample_norms(per: Dict[str, Tensor]) -> Tensor:
+    """``[B]``: the norms of the per-sample gradients ``per`` (``[B, *shape]``
+    each, vmap(grad)'s) over all parameters together."""
+    return torch.cat([g.flatten(1) for g in per.values()], 1).norm(dim=1)
+
+
+def materialized_clipped_grad(per: Dict[str, Tensor],
+                              max_norm: float) -> Tuple[Dict[str, Tensor], Tensor]:
+    """``(clipped_sum, norms)`` as ``batchrules.clipped_grad`` defines them,
+    from materialized per-sample gradients (``per_sample_norms``)."""
+    norms = per_sample_norms(per)
+    coef = clip_coef(norms, max_norm)
+    return {k: torch.tensordot(coef, g, dims=1) for k, g in per.items()}, norms
+
+
+def assert_close_rel(actual: Any, expected: Any, rel: float = 1e-10, min_scale: float = 1e-30) -> None:
     """Same pytree structure, shapes and dtypes; every leaf within ``rel`` of
-    the largest magnitude of its expected value."""
+    the largest magnitude of its expected value (at least ``min_scale``)."""
     got, got_spec = tree_flatten(actual)
     want, want_spec = tree_flatten(expected)
     assert got_spec == want_spec, f"structure {got_spec} != {want_spec}"
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
-        scale = w.abs().max().item() if w.numel() else 0.0
-        err = (g - w).abs().max().item() if w.numel() else 0.0
-        assert err <= rel * max(scale, 1e-30), f"max abs error {err:.3g} vs scale {scale:.3g}"
+        scale = max(w.abs().max().item() if w.numel() else 0.0, min_scale)
+        err = (g.double() - w.double()).abs().max().item() if w.numel() else 0.0
+        assert err <= rel * scale, f"max abs error {err:.3g} vs scale {scale:.3g}"
+
+
+def check_model(model: nn.Module, x: Tensor, y: Tensor,
+                loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
+                max_norm: float = 0.5, unsqueeze: bool = True) -> None:
+    """clipped_grad of ``model``'s loss on one sample (made a batch of one when
+    ``unsqueeze``) against the per-sample loop, in float64."""
+    model = model.double()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        if unsqueeze:
+            xi, yi = xi.unsqueeze(0), yi.unsqueeze(0)
+        return loss_fn(functional_call(model, p, (xi,)), yi)
+
+    want = loop_clipped_grad(loss, max_norm, (params, x, y))
+    got = batchrules.clipped_grad(loss, max_norm)(params, x, y)
+    assert_close_rel(got, want)
+    assert (want[1] > max_norm).any(), "the test must clip some samples"
+
+
+def data(*shape: int, classes: int = 3) -> Tuple[Tensor, Tensor]:
+    """``BATCH`` float64 inputs of per-sample ``shape`` and class labels."""
+    torch.manual_seed(0)
+    return torch.randn(BATCH, *shape, dtype=torch.float64), torch.randint(classes, (BATCH,))

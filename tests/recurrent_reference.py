@@ -10,12 +10,12 @@ import copy
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from conftest import assert_close, vmap_fallback_off
 from torch import Tensor, nn
 from torch.func import functional_call, stack_module_state, vmap
 from torch.utils._pytree import tree_leaves, tree_map
 
 import batchrules
-from conftest import vmap_fallback_off  # noqa: F401 (re-exported for the recurrent tests)
 
 KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 B = 2  # vmap size (examples, or ensemble members)
@@ -48,6 +48,27 @@ def routed() -> Iterator[None]:
     """Routing on and the vmap fallback off, both restored afterwards."""
     with vmap_fallback_off(), batchrules.enabled(True):
         yield
+
+
+# rnn_recurrence's modes, and the gates each has
+LSTM, GRU = 0, 1
+GATES = {LSTM: 4, GRU: 3}
+
+
+def operands(E: int, N: int, H: int, P: Optional[int] = None, bias: bool = True,
+             scale: float = 1.0, seed: int = 0, mode: int = LSTM) -> Dict[str, Optional[Tensor]]:
+    """rnn_recurrence's operands for E ensemble members of N rows, 7 steps,
+    hidden size H (projected to P when given)."""
+    gen = torch.Generator().manual_seed(seed)
+    P = P or H
+    G = GATES[mode] * H
+
+    def r(*s: int) -> Tensor:
+        return torch.randn(*s, generator=gen)
+
+    return dict(input_gates=scale * r(7, E, N, G), h0=r(E, N, P),
+                c0=r(E, N, H) if mode == LSTM else None, w_hh=0.3 * r(E, G, P),
+                b_hh=r(E, G) if bias else None, w_hr=0.3 * r(E, P, H) if P != H else None)
 
 
 def transposed_rows(t: Tensor) -> Tensor:
@@ -180,11 +201,3 @@ def scalar(output: Any) -> Tensor:
 def leaves_like(tree: Any) -> Any:
     """Fresh leaves requiring grad with ``tree``'s values."""
     return tree_map(lambda t: t.detach().clone().requires_grad_(True), tree)
-
-
-def assert_close(actual: Any, expected: Any, msg: str = "", **tol: Any) -> None:
-    """Pytrees of tensors: same structure, shapes, dtypes and values."""
-    a_leaves, e_leaves = tree_leaves(actual), tree_leaves(expected)
-    assert len(a_leaves) == len(e_leaves), f"{len(a_leaves)} outputs, not {len(e_leaves)}: {msg}"
-    for k, (a, e) in enumerate(zip(a_leaves, e_leaves)):
-        torch.testing.assert_close(a, e, msg=lambda m: f"{msg} (output {k})\n{m}", **tol)

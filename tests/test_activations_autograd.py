@@ -11,11 +11,10 @@ from typing import List
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
+from activation_samples import ACTS, BACKWARD_SHAPES, SHAPES, Act, sample
 from torch import Tensor
 from torch.autograd import gradcheck, gradgradcheck
 from torch.func import hessian, jacfwd, jacrev, jvp
-
-from activation_samples import ACTS, BACKWARD_SHAPES, SHAPES, Act, sample
 
 CHECKS = dict(check_forward_ad=True, check_backward_ad=True, check_batched_grad=True,
               check_undefined_grad=True)

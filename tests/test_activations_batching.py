@@ -7,11 +7,10 @@ from typing import Callable
 
 import pytest
 import torch
-from torch import Tensor
-from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
-
 from activation_samples import ACTS, BACKWARD_SHAPES, SHAPES, Act
 from batching_reference import all_bdims, assert_same, loop_reference, physical
+from torch import Tensor
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 
 BATCH = 6
 DTYPE = torch.float64

@@ -7,12 +7,12 @@ from typing import Dict, List
 import pytest
 import torch
 import torch.nn.functional as F
+from activation_samples import ACTS, Act
 from torch import Tensor, nn
 from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBackend
 from torch.func import functional_call, grad, stack_module_state, vmap
 
 import batchrules
-from activation_samples import ACTS, Act
 from batchrules import compile as compile_hooks
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd"),

@@ -4,7 +4,6 @@ input (a clear RuntimeError naming the op, dtypes and shapes)."""
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-
 from activation_samples import ACTS, BACKWARD_SHAPES, SHAPES, Act, sample
 from conftest import available_devices
 

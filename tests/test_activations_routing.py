@@ -7,13 +7,13 @@ from typing import Callable, Dict, List
 import pytest
 import torch
 import torch.nn.functional as F
+from activation_samples import ACTS, Act
+from routing_transforms import REVERSE_MODE, X, transforms
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.profiler import ProfilerActivity, profile
 
 import batchrules
-from activation_samples import ACTS, Act
-from routing_transforms import REVERSE_MODE, X, transforms
 from batchrules.examples.inspect_routing import batchrules_op_counts
 
 ROUTED_KERNEL_SOURCE = "routing.cpp"  # where the route libraries are created (the dump names it)

@@ -10,11 +10,25 @@ from typing import Optional
 
 import pytest
 import torch
-from torch.func import vmap
-
-from attention_reference import (B, E, FLASH_CPU, FLASH_CPU_BACKWARD, H, KV_H, L, MASK_SHAPES,
-                                 N, S, attention_args, in_dims_combinations, loop, sdpa)
+from attention_reference import (
+    FLASH_CPU,
+    FLASH_CPU_BACKWARD,
+    KV_H,
+    MASK_SHAPES,
+    B,
+    E,
+    H,
+    L,
+    N,
+    S,
+    attention_args,
+    flash,
+    in_dims_combinations,
+    loop,
+    sdpa,
+)
 from batching_reference import example, physical
+from torch.func import vmap
 
 pytestmark = pytest.mark.usefixtures("routing_on", "no_vmap_fallback")
 
@@ -23,10 +37,6 @@ OPTIONS = {  # kwargs of the fused op / SDPA besides the mask
     "causal": {"is_causal": True},
     "scale": {"scale": 0.3},
 }
-
-
-def flash(q, k, v, mask=None, **kw):
-    return FLASH_CPU(q, k, v, attn_mask=mask, **kw)
 
 
 # (mask, option, with a middle bdim too): every mask shape plainly, the options
@@ -83,7 +93,7 @@ def test_fused_backward_every_in_dims(mask_name: str, grad_out_bdim: Optional[in
 def test_backward_undefined_grad_out_stays_undefined() -> None:
     q, k, v, _ = attention_args(None, (0, 0, 0))
     out, lse = vmap(flash)(q, k, v)
-    got = vmap(lambda q, k, v, o, l: FLASH_CPU_BACKWARD(None, q, k, v, o, l, 0.0, False),
+    got = vmap(lambda q, k, v, o, lse: FLASH_CPU_BACKWARD(None, q, k, v, o, lse, 0.0, False),
                out_dims=None)(q, k, v, out, lse)
     assert got == (None, None, None)
 

@@ -13,11 +13,10 @@ from typing import Iterator, Optional
 
 import pytest
 import torch
-from torch import Tensor
-from torch.func import grad, vjp, vmap
-
 from attention_reference import B, E, H, L, N, S, in_dims_combinations
 from batching_reference import example, physical
+from torch import Tensor
+from torch.func import grad, vjp, vmap
 
 aten = torch.ops.aten
 pytestmark = pytest.mark.usefixtures("routing_on", "no_vmap_fallback")

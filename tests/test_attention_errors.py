@@ -5,10 +5,10 @@ kernel follows vmap's randomness modes; disable() restores stock exactly.
 """
 import pytest
 import torch
+from attention_reference import N, attention_args, flash, sdpa
 from torch.func import vmap
 
 import batchrules
-from attention_reference import FLASH_CPU, N, attention_args, sdpa
 from batchrules._compat import dispatch_has_kernel
 
 FUSED_CPU = ["aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -18,10 +18,6 @@ CUDA_BACKWARDS = ["aten::_scaled_dot_product_flash_attention_backward",
                   "aten::_scaled_dot_product_cudnn_attention_backward"]
 CUDA_FORWARDS_WITH_BIAS = ["aten::_scaled_dot_product_efficient_attention",
                            "aten::_scaled_dot_product_cudnn_attention"]
-
-
-def flash(q, k, v, mask=None, **kw):
-    return FLASH_CPU(q, k, v, attn_mask=mask, **kw)
 
 
 @pytest.mark.usefixtures("routing_on", "no_vmap_fallback")

@@ -8,12 +8,11 @@ torch.autograd on the written-out math of attention.
 """
 import pytest
 import torch
+from attention_reference import FLASH_CPU, N, attention_args, math_attention, sdpa
+from batching_reference import example
 from torch.autograd.functional import hessian as loop_hessian
 from torch.autograd.functional import jacobian as loop_jacobian
 from torch.func import grad, hessian, jacfwd, jacrev, vmap
-
-from attention_reference import FLASH_CPU, N, attention_args, math_attention, sdpa
-from batching_reference import example
 
 pytestmark = pytest.mark.usefixtures("routing_on", "no_vmap_fallback")
 

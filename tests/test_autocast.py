@@ -11,9 +11,10 @@ from typing import Any, Callable, Dict
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import params_of
+from dp_reference import assert_close_rel, materialized_clipped_grad
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, jvp, stack_module_state, vmap
-from torch.utils._pytree import tree_flatten
 
 import batchrules
 
@@ -38,14 +39,7 @@ def run(amp: Any, routed: bool, fn: Callable[[], Any]) -> Any:
 
 
 def assert_matches(actual: Any, expected: Any, dtype: torch.dtype) -> None:
-    got, got_spec = tree_flatten(actual)
-    want, want_spec = tree_flatten(expected)
-    assert got_spec == want_spec
-    for g, w in zip(got, want):
-        assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, w.dtype, g.shape, w.shape)
-        scale = max(w.abs().max().item(), 1e-3)
-        err = (g.double() - w.double()).abs().max().item()
-        assert err <= TOLERANCE[dtype] * scale, f"error {err:.3g} vs scale {scale:.3g}"
+    assert_close_rel(actual, expected, TOLERANCE[dtype], min_scale=1e-3)
 
 
 def assert_like_stock(amp: Any, fn: Callable[[], Any]) -> Any:
@@ -63,10 +57,6 @@ def mlp(device: str) -> nn.Module:
 
 def data(device: str, *shape: int) -> Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(2)).to(device)
-
-
-def params_of(model: nn.Module) -> Dict[str, Tensor]:
-    return {k: p.detach() for k, p in model.named_parameters()}
 
 
 # --- vmap forward: aten's policy per example (stock promotes a bias add) -------------------
@@ -271,9 +261,7 @@ def materialized_reference(loss: Callable[..., Tensor], max_norm: float, device:
     clipped and summed in float32."""
     per = vmap(grad(loss), in_dims=(None,) + (0,) * len(batched))(params, *batched)
     with torch.autocast(device, enabled=False):
-        norms = torch.cat([g.flatten(1) for g in per.values()], 1).norm(dim=1)
-        coef = (max_norm / (norms + 1e-6)).clamp(max=1.0)
-        return {k: torch.tensordot(coef, g, dims=1) for k, g in per.items()}, norms
+        return materialized_clipped_grad(per, max_norm)
 
 
 def test_clipped_grad_matches_materialized_reference(amp: Any) -> None:

@@ -8,9 +8,7 @@ names its case; SPMD code raises on both ranks alike, so ranks stay in step.
 import faulthandler
 import json
 import os
-import socket
 import sys
-import time
 import traceback
 from datetime import timedelta
 from typing import Callable, Dict, List, Tuple
@@ -18,39 +16,14 @@ from typing import Callable, Dict, List, Tuple
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import DISTRIBUTED, WORLD, spawn
 from torch.func import functional_call, grad, vmap
 
 import batchrules
 
-pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                 reason="torch.distributed with gloo is not available"),
-              # slow: each group spawns 2 processes that import torch; the only run of the
-              # rules across real process groups (DDP all-reduce, DTensor sharding).
-              pytest.mark.slow]
-
-WORLD = 2
-DEADLINE_S = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(worker: Callable, *args: object) -> None:
-    """Run ``worker(rank, port, *args)`` on WORLD processes; fail on error or deadline."""
-    context = mp.start_processes(worker, args=(free_port(), *args), nprocs=WORLD, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=1.0):  # raises if a rank failed (and stops the others)
-        if time.monotonic() > deadline:
-            for p in context.processes:
-                p.kill()
-            pytest.fail(f"distributed workers still running after {DEADLINE_S}s")
+pytestmark = DISTRIBUTED
 
 
 def init(rank: int, port: int) -> None:

@@ -9,13 +9,13 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
+from dp_reference import loop_clipped_grad
 from hypothesis import given, seed, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.func import functional_call
 
 import batchrules
-from dp_reference import loop_clipped_grad
 
 WIDTHS = (2, 4, 6)
 CLASSES = 3

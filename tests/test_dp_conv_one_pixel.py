@@ -7,13 +7,13 @@ from typing import Dict, List
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import assert_close_rel, loop_clipped_grad
 from torch import Tensor, nn
 from torch.func import functional_call
 
 import batchrules
 from batchrules.dp.layers import conv as conv_rule
 from batchrules.dp.layers.conv_geometry import pixel_tap
-from dp_reference import assert_close_rel, loop_clipped_grad
 
 BATCH = 5
 

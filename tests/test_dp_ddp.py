@@ -6,12 +6,13 @@ import os
 
 import torch
 import torch.distributed as dist
+from conftest import DEADLINE_S, DISTRIBUTED, WORLD, spawn
 from torch import nn
 
 from batchrules.dp import all_reduce_flat
 from batchrules.examples import dp_sgd, dp_sgd_ranks
-# gloo required, one xdist worker; 2 ranks under a deadline
-from test_distributed import DEADLINE_S, WORLD, pytestmark, spawn  # noqa: F401
+
+pytestmark = DISTRIBUTED
 
 # q*N = 4: some ranks' shares are empty in some steps; 2-sample chunks
 CONFIG = dp_sgd.DPConfig(steps=3, examples=40, sample_rate=0.1, noise_multiplier=0.7,

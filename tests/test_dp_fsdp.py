@@ -6,12 +6,13 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import DEADLINE_S, DISTRIBUTED, WORLD, spawn
 from torch import nn
 
 from batchrules.dp import reduce_scatter_flat, unsharded
 from batchrules.examples import dp_sgd, dp_sgd_ranks
-# gloo required, one xdist worker; 2 ranks under a deadline
-from test_distributed import DEADLINE_S, WORLD, pytestmark, spawn  # noqa: F401
+
+pytestmark = DISTRIBUTED
 
 # q*N = 4 over 4 steps: some ranks' shares are empty; chunks of 3 samples
 CONFIG = dp_sgd.DPConfig(steps=4, examples=40, sample_rate=0.1, noise_multiplier=0.7,

@@ -3,11 +3,11 @@ which kernel runs, and that every way gives sum_i c_i x_i^T y_i."""
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import loop_clipped_grad
 
 import batchrules
 from batchrules import _C
 from batchrules.dp import gemm
-from dp_reference import loop_clipped_grad
 
 needs_onednn = pytest.mark.skipif(gemm._ONEDNN is None, reason="torch built without oneDNN")
 

@@ -7,11 +7,11 @@ from typing import Any, Callable, Dict, List
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import assert_close_rel, loop_clipped_grad
 from torch import Tensor
 
 import batchrules
 from batchrules.dp.interceptor import Differentiated, Interceptor
-from dp_reference import assert_close_rel, loop_clipped_grad
 
 BATCH = 4
 

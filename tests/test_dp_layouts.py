@@ -8,11 +8,11 @@ from typing import Any, Callable, Dict, Tuple
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import assert_close_rel, loop_clipped_grad
 from torch import Tensor, nn
 from torch.func import functional_call
 
 import batchrules
-from dp_reference import assert_close_rel, loop_clipped_grad
 
 BATCH = 4
 

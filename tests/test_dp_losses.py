@@ -5,9 +5,9 @@ runs under vmap with routing's batching rules for aten's loss kernels."""
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import assert_close_rel, loop_clipped_grad
 
 import batchrules
-from dp_reference import assert_close_rel, loop_clipped_grad
 
 BATCH, CLASSES = 5, 4
 

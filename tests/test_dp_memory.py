@@ -5,6 +5,7 @@ from typing import List
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import assert_close_rel, loop_clipped_grad
 from torch import nn
 from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -13,7 +14,6 @@ import batchrules
 from batchrules.bench.case import Variant
 from batchrules.bench.memory import peak_extra_bytes
 from batchrules.bench.models import small_cnn
-from dp_reference import assert_close_rel, loop_clipped_grad
 
 BATCH = 16
 CPU = torch.device("cpu")

@@ -5,58 +5,17 @@ Each model runs through ``functional_call`` with the params from
 parameters were handled as are checked too, so a rule silently falling back
 to per-sample copies fails here.
 """
-from typing import Callable, Dict, Tuple
 
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import BATCH, assert_close_rel, check_model, data, loop_clipped_grad
 from torch import Tensor, nn
 from torch.func import functional_call
 
 import batchrules
-from batchrules.dp import clipping
 from batchrules.dp.cost import ghost_is_cheaper
 from batchrules.dp.layers import conv as conv_rule
-from dp_reference import assert_close_rel, loop_clipped_grad
-
-BATCH = 5
-
-
-@pytest.fixture
-def kinds(monkeypatch) -> Dict[str, str]:
-    """The kind (clipping.py) each parameter of the last clipped_grad call took."""
-    seen: Dict[str, str] = {}
-    original = clipping.kind
-
-    def record(param):
-        key = param.name[param.name.index("['") + 2:param.name.rindex("']")]  # argument 0['key']
-        seen[key] = original(param)
-        return seen[key]
-
-    monkeypatch.setattr(clipping, "kind", record)
-    return seen
-
-
-def check_model(model: nn.Module, x: Tensor, y: Tensor,
-                loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
-                max_norm: float = 0.5, unsqueeze: bool = True) -> None:
-    model = model.double()
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
-        if unsqueeze:
-            xi, yi = xi.unsqueeze(0), yi.unsqueeze(0)
-        return loss_fn(functional_call(model, p, (xi,)), yi)
-
-    want = loop_clipped_grad(loss, max_norm, (params, x, y))
-    got = batchrules.clipped_grad(loss, max_norm)(params, x, y)
-    assert_close_rel(got, want)
-    assert (want[1] > max_norm).any(), "the test must clip some samples"
-
-
-def data(*shape: int, classes: int = 3) -> Tuple[Tensor, Tensor]:
-    torch.manual_seed(0)
-    return torch.randn(BATCH, *shape, dtype=torch.float64), torch.randint(classes, (BATCH,))
 
 
 def test_mlp_one_row(routing, kinds) -> None:

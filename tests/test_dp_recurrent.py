@@ -6,13 +6,12 @@ from typing import Dict, List, Set
 
 import pytest
 import torch
+from dp_reference import assert_close_rel, check_model, data, loop_clipped_grad
 from torch import Tensor, nn
 from torch.func import functional_call
 
 import batchrules
 from batchrules.dp import clipping
-from dp_reference import assert_close_rel, loop_clipped_grad
-from test_dp_models import check_model, data, kinds  # noqa: F401 (a fixture)
 
 
 class LastStep(nn.Module):

@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import loop_clipped_grad
 from torch.func import functional_call
 
 from batchrules.examples import dp_sgd
-from dp_reference import loop_clipped_grad
 
 CONFIG = dp_sgd.DPConfig(steps=4, examples=48, sample_rate=0.1, noise_multiplier=0.7)
 

@@ -15,13 +15,11 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Type
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import clip_coef, materialized_clipped_grad, per_sample_norms
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 import batchrules
-from batchrules.dp import EPS
-from test_dp_models import kinds  # noqa: F401 (a fixture: the kind each parameter took)
-from test_dp_tied import clip_shapes  # noqa: F401 (a fixture: the shapes the clip step formed)
 
 REL = 1e-9
 VOCAB = 97
@@ -61,10 +59,10 @@ def check(loss, args: Tuple[Any, ...], in_dims: Tuple[Any, ...]) -> None:
     with warnings.catch_warnings():  # the reference may run the slow path
         warnings.filterwarnings("ignore", "There is a performance drop")
         per = vmap(grad(loss), in_dims=in_dims)(*args)
-    norms = torch.cat([g.flatten(1) for g in per.values()], 1).norm(dim=1)
+    norms = per_sample_norms(per)
     max_norm = norms.median().item()
-    coef = (max_norm / (norms + EPS)).clamp(max=1.0)
-    want = {k: torch.tensordot(coef, g, dims=1) for k, g in per.items()}
+    want, _ = materialized_clipped_grad(per, max_norm)
+    coef = clip_coef(norms, max_norm)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got, got_norms = batchrules.clipped_grad(loss, max_norm, in_dims=in_dims)(*args)
@@ -122,7 +120,7 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 
 @pytest.mark.requires("transformers")
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded_4d_mask"])
-def test_gpt2(kinds, clip_shapes, padded: bool) -> None:  # noqa: F811 (fixtures)
+def test_gpt2(kinds, clip_shapes, padded: bool) -> None:
     from transformers.pytorch_utils import Conv1D
     model = gpt2().double().eval()
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -155,7 +153,7 @@ def test_gpt2(kinds, clip_shapes, padded: bool) -> None:  # noqa: F811 (fixtures
 
 
 @pytest.mark.requires("transformers")
-def test_bert_with_padding(kinds) -> None:  # noqa: F811 (a fixture)
+def test_bert_with_padding(kinds) -> None:
     from transformers import BertConfig, BertForSequenceClassification
     torch.manual_seed(0)
     config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
@@ -187,7 +185,7 @@ def test_bert_with_padding(kinds) -> None:  # noqa: F811 (a fixture)
 
 @pytest.mark.requires("transformers", "peft")
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
-def test_peft_lora_on_gpt2(kinds) -> None:  # noqa: F811 (a fixture)
+def test_peft_lora_on_gpt2(kinds) -> None:
     """Only the LoRA factors differentiated; the frozen base model passed as an
     unbatched argument that is not differentiated."""
     from peft import LoraConfig, get_peft_model
@@ -225,7 +223,7 @@ def check_image_model(model: nn.Module, batch: int) -> Dict[str, Tensor]:
 
 @pytest.mark.slow  # 11M parameters: the reference's per-sample gradients, in float64
 @pytest.mark.requires("torchvision")
-def test_torchvision_resnet18_group_norm(kinds) -> None:  # noqa: F811 (a fixture)
+def test_torchvision_resnet18_group_norm(kinds) -> None:
     from torchvision.models import resnet18
     torch.manual_seed(0)
     model = resnet18(num_classes=10, norm_layer=lambda channels: nn.GroupNorm(2, channels))
@@ -234,7 +232,7 @@ def test_torchvision_resnet18_group_norm(kinds) -> None:  # noqa: F811 (a fixtur
 
 
 @pytest.mark.requires("timm")
-def test_timm_vit(kinds) -> None:  # noqa: F811 (a fixture)
+def test_timm_vit(kinds) -> None:
     """vit_tiny_patch16_224's architecture, shrunk: fused attention (SDPA),
     a patch-embedding convolution, cls_token and pos_embed (plain tensor ops)."""
     from timm.models.vision_transformer import VisionTransformer

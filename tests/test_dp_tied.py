@@ -4,23 +4,15 @@ tied wte (an embedding and the lm_head's F.linear), a weight used by
 torch.addmm and F.linear, a convolution applied twice; and no ``[b, *param]``
 tensor formed for the tied weight while clipping.
 """
-from typing import Dict, List, Tuple
 
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import assert_close_rel, check_model
 from torch import Tensor, nn
-from torch.func import functional_call
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-import batchrules
-import batchrules.dp.transform as transform
-from batchrules.dp import clipping
 from batchrules.dp.cost import cross_inner
 from batchrules.dp.rule import Factors
-from dp_reference import assert_close_rel, loop_clipped_grad
-from test_dp_models import kinds  # noqa: F401 (a fixture: the kind each parameter took)
 
 BATCH, VOCAB, DIM = 5, 13, 6
 
@@ -42,46 +34,6 @@ class TinyGPT(nn.Module):
         return F.linear(h, self.wte.weight)
 
 
-class Shapes(TorchDispatchMode):
-    """The shape of every tensor an op returns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.shapes: List[Tuple[int, ...]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.shapes += [tuple(t.shape) for t in tree_leaves(out) if isinstance(t, Tensor)]
-        return out
-
-
-@pytest.fixture
-def clip_shapes(monkeypatch) -> List[Tuple[int, ...]]:
-    """The shapes of the tensors formed by the clip step (norms and sums)."""
-    mode = Shapes()
-    original = transform.clip
-
-    def clip(*args):
-        with mode:
-            return original(*args)
-
-    monkeypatch.setattr(transform, "clip", clip)
-    return mode.shapes
-
-
-def check(model: nn.Module, x: Tensor, y: Tensor, loss_fn, max_norm: float = 0.5) -> None:
-    model = model.double()
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
-        return loss_fn(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
-
-    want = loop_clipped_grad(loss, max_norm, (params, x, y))
-    got = batchrules.clipped_grad(loss, max_norm)(params, x, y)
-    assert_close_rel(got, want)
-    assert (want[1] > max_norm).any(), "the test must clip some samples"
-
-
 def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())  # -100: ignored
 
@@ -98,7 +50,7 @@ def test_tied_embedding_and_lm_head(kinds, clip_shapes, rows: int, config) -> No
     labels = torch.randint(0, VOCAB, (BATCH, rows))
     if rows > 1:
         labels[1:, 0] = -100
-    check(TinyGPT(rows, **config), idx, labels, lm_loss)
+    check_model(TinyGPT(rows, **config), idx, labels, lm_loss)
     assert kinds["wte.weight"] == "tied"
     assert kinds["fc.weight"] == "linear" and kinds["wpe.weight"] == "embedding"
     # Neither an embedding's [b, V, D] (or [b*V, D]) nor a linear's per-sample gradient.
@@ -122,7 +74,7 @@ def test_tied_ghost_pairs_chunked(monkeypatch) -> None:
         return original(batch, per_sample, per_sample * 2, fn)  # two samples a chunk
 
     monkeypatch.setattr(cost, "chunked", chunked)
-    check(TinyGPT(6), idx, labels, lm_loss)
+    check_model(TinyGPT(6), idx, labels, lm_loss)
     assert calls
 
 
@@ -145,7 +97,7 @@ def test_weight_of_addmm_and_linear(kinds, rows: int) -> None:
     torch.manual_seed(0)
     x = torch.randn(BATCH, rows, 4, dtype=torch.float64)
     y = torch.randint(0, 3, (BATCH, rows))
-    check(AddmmAndLinear(), x, y, lm_loss, max_norm=0.1)
+    check_model(AddmmAndLinear(), x, y, lm_loss, max_norm=0.1)
     assert kinds == {"w": "tied", "b": "bias", "head.weight": "linear", "head.bias": "bias"}
 
 
@@ -167,7 +119,7 @@ def test_conv_applied_twice(kinds, groups: int, kind: str, side: int) -> None:
     cross term (one group), or materialized (groups: no factors)."""
     torch.manual_seed(0)
     x = torch.randn(BATCH, 4, side, side, dtype=torch.float64)
-    check(ConvTwice(groups), x, torch.randint(0, 3, (BATCH,)), F.cross_entropy)
+    check_model(ConvTwice(groups), x, torch.randint(0, 3, (BATCH,)), F.cross_entropy)
     assert kinds["conv.weight"] == kind and kinds["conv.bias"] == "bias"
 
 

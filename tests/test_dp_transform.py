@@ -6,11 +6,12 @@ from typing import Dict
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import assert_close_rel, loop_clipped_grad
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 import batchrules
-from dp_reference import assert_close_rel, loop_clipped_grad
+
 
 @pytest.fixture(autouse=True)
 def float64_default():

@@ -12,12 +12,18 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
+from linear_samples import (
+    LinearSample,
+    first_of_each_kind,
+    linear_reference,
+    linear_samples,
+    random_grad_output,
+    without_overlap,
+)
 from torch import Tensor
 from torch.autograd import gradcheck, gradgradcheck
 
 import batchrules
-from linear_samples import (LinearSample, first_of_each_kind, linear_reference, linear_samples,
-                            random_grad_output, without_overlap)
 
 GRAD_DTYPES = (torch.float64, torch.complex128)
 MASKS = [m for m in itertools.product([False, True], repeat=3) if any(m)]

@@ -10,10 +10,10 @@ from typing import Callable, Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from batching_reference import assert_same, physical_shape
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import batchrules
-from batching_reference import assert_same, physical_shape
 
 B, E, T, IN, OUT = 4, 3, 5, 6, 7
 DTYPE = torch.float64

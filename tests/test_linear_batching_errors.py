@@ -8,10 +8,10 @@ from typing import Callable, Sequence
 import pytest
 import torch
 import torch.nn.functional as F
+from batching_reference import physical_shape
 from torch.func import grad, vmap
 
 import batchrules
-from batching_reference import physical_shape
 
 B = 3
 MASK = (True, True, True)

@@ -5,8 +5,9 @@ Every batch dim choice per tensor argument (None included), input ranks 1-3,
 the 1-D-input quirk [1, O], biases with leading dims) and every non-empty
 output_mask, with out_dims cycling through all positions. Each result must also
 be batch-first and contiguous per example, as eager's is, so that ``.view()``
-works on it under vmap. The vmap fallback is off, so each case must be served by the batching rules. Sizes are small and
-pairwise distinct so a wrong broadcast cannot pass by coincidence.
+works on it under vmap. The vmap fallback is off, so each case must be served
+by the batching rules. Sizes are small and pairwise distinct so a wrong
+broadcast cannot pass by coincidence.
 """
 import itertools
 from typing import List, Optional, Tuple
@@ -14,11 +15,10 @@ from typing import List, Optional, Tuple
 import pytest
 import torch
 import torch.nn.functional as F
+from batching_reference import all_bdims, assert_same, linear_backward_reference, loop_reference, physical
 from torch.func import vmap
 
 import batchrules
-from batching_reference import (all_bdims, assert_same, linear_backward_reference,
-                                loop_reference, physical)
 
 BATCH = 3
 LEAD = (2, 5)

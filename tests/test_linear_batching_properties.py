@@ -10,13 +10,20 @@ from typing import Optional, Tuple
 import pytest
 import torch
 import torch.nn.functional as F
+from batching_reference import (
+    all_bdims,
+    assert_same,
+    layout,
+    linear_backward_reference,
+    loop_reference,
+    physical_shape,
+    reference_linear,
+)
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch.func import vjp, vmap
 
 import batchrules
-from batching_reference import (all_bdims, assert_same, layout, linear_backward_reference,
-                                loop_reference, physical_shape, reference_linear)
 
 DTYPES = [torch.float32, torch.float64, torch.complex128]
 LAYOUTS = ["contiguous", "transposed", "strided", "expanded"]

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
+from linear_samples import opinfo_error_inputs
 
 import batchrules
-from linear_samples import opinfo_error_inputs
 
 cpu, meta = torch.device("cpu"), torch.device("meta")
 

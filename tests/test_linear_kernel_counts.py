@@ -10,10 +10,10 @@ from typing import Callable, List
 import pytest
 import torch
 import torch.nn.functional as F
+from batching_profile import GEMMS, kernels_from_events, profile_events, ran_kernels
 from torch.func import grad, hessian, jacrev, vjp, vmap
 
 import batchrules
-from batching_profile import GEMMS, kernels_from_events, profile_events, ran_kernels
 
 B, E, N, IN, OUT = 4, 3, 5, 6, 7
 MASK = (True, True, True)

@@ -19,11 +19,9 @@ from typing import List, Optional, Sequence
 
 import pytest
 import torch
-from torch.testing._internal.optests.aot_autograd import aot_autograd_check
-
 from conftest import available_devices
-from linear_samples import (ALL_DTYPES, LinearSample, first_of_each_kind, linear_samples,
-                            random_grad_output)
+from linear_samples import ALL_DTYPES, LinearSample, first_of_each_kind, linear_samples, random_grad_output
+from torch.testing._internal.optests.aot_autograd import aot_autograd_check
 
 CHEAP_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor")
 AOT_UTIL = "test_aot_dispatch_dynamic"

@@ -10,13 +10,12 @@ from typing import Iterator, Optional, Tuple
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import available_devices
+from linear_samples import ALL_DTYPES, LinearSample, linear_reference, linear_samples, random_grad_output
 from torch import Tensor
 from torch.testing._internal.common_utils import noncontiguous_like
 
 import batchrules
-from conftest import available_devices
-from linear_samples import (ALL_DTYPES, LinearSample, linear_reference, linear_samples,
-                            random_grad_output)
 
 DEVICES = available_devices() + ["meta"]
 MASKS = list(itertools.product([False, True], repeat=3))

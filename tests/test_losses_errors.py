@@ -100,6 +100,8 @@ def test_error_under_vmap_grad() -> None:
 
 
 def test_backward_total_weight_must_be_one_element() -> None:
-    fn = lambda g, x, t, tw: A.nll_loss_backward(g, x, t, None, 1, -100, tw)
+    def fn(g, x, t, tw):
+        return A.nll_loss_backward(g, x, t, None, 1, -100, tw)
+
     with pytest.raises(RuntimeError, match=re.escape("single element tensor, got: [2] (2 elements)")):
         vmap(fn)(r(B), r(B, 4, 5), idx(B, 4), r(B, 2))

@@ -6,14 +6,14 @@ to show the gain. Deterministic on CPU for a fixed PyTorch.
 """
 from typing import Callable, List
 
+import batching_profile
 import pytest
 import torch
 import torch.nn.functional as F
+from batching_profile import ran_kernels
 from torch.func import grad, vmap
 
 import batchrules
-import batching_profile
-from batching_profile import ran_kernels
 
 B, N, C = 8, 4, 10
 WEIGHT = torch.rand(C)

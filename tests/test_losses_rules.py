@@ -13,11 +13,10 @@ from typing import Callable, List, Optional, Sequence
 
 import pytest
 import torch
+from batching_reference import all_bdims, loop_reference
+from conftest import assert_close, available_devices
 from torch import Tensor
 from torch.func import vmap
-
-from batching_reference import all_bdims, loop_reference
-from conftest import available_devices
 
 A = torch.ops.aten
 B, N, C, H, W = 3, 4, 5, 2, 3
@@ -26,11 +25,6 @@ REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 DTYPE = torch.float64
 
 pytestmark = pytest.mark.usefixtures("no_vmap_fallback", "routing_on")
-
-
-@pytest.fixture(autouse=True)
-def seeded() -> None:
-    torch.manual_seed(0)
 
 
 def batched(make: Callable[[int], Tensor], bdim: Optional[int]) -> Tensor:
@@ -57,10 +51,6 @@ def floats(shape: Sequence[int], positive: bool = False) -> Callable[[int], Tens
     return make
 
 
-def assert_close(actual, expected, msg: str) -> None:
-    torch.testing.assert_close(actual, expected, equal_nan=True, msg=lambda m: f"{msg}\n{m}")
-
-
 def run(fn: Callable, args: List[Optional[Tensor]], in_dims: Sequence[Optional[int]],
         msg: str) -> None:
     """vmap(fn) against the loop, skipping the all-shared combination."""
@@ -69,7 +59,7 @@ def run(fn: Callable, args: List[Optional[Tensor]], in_dims: Sequence[Optional[i
     dims = tuple(None if a is None else d for a, d in zip(args, in_dims))
     expected = loop_reference(fn, args, dims, B)
     actual = vmap(fn, in_dims=dims)(*args)
-    assert_close(actual, expected, msg)
+    assert_close(actual, expected, msg, equal_nan=True)
 
 
 # (op, logical self shape, logical target shape)
@@ -122,7 +112,9 @@ def test_nll_backward_every_in_dims(shapes, reduction: str) -> None:
     op, red = nll_backward_op(kind), REDUCTIONS[reduction]
     g_shape = grad_output_shape(kind, self_shape, target_shape, reduction)
     # first, last or shared for each argument (every position for self)
-    ends = lambda rank: sorted({None, 0, rank}, key=lambda d: -1 if d is None else d)
+    def ends(rank):
+        return sorted({None, 0, rank}, key=lambda d: -1 if d is None else d)
+
     for gd, xd, td, wd, twd in itertools.product(ends(len(g_shape)), all_bdims(len(self_shape)),
                                                   ends(len(target_shape)), ["absent", None, 0],
                                                   [None, 0]):
@@ -143,7 +135,7 @@ def test_nll_backward_target_of_one_element() -> None:
     actual = vmap(lambda *a: A.nll_loss_backward(a[0], a[1], a[2], None, 1, -100, a[3]))(g, x, t, tw)
     expected = vmap(lambda *a: A.nll_loss_backward(a[0], a[1], a[2], None, 1, -100, a[3]))(
         g, x, t.squeeze(1), tw)
-    assert_close(actual, expected, "[1] target")
+    assert_close(actual, expected, "[1] target", equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int64])
@@ -152,8 +144,11 @@ def test_nll_target_dtypes(dtype: torch.dtype) -> None:
     x = torch.randn(B, N, C, dtype=DTYPE)
     t = torch.randint(0, C, (B, N)).to(dtype)
     for ignore in (-100, IGNORE):
-        fn = lambda a, b: A.nll_loss_forward(a, b, torch.ones(C, dtype=DTYPE), 1, ignore)
-        assert_close(vmap(fn)(x, t), loop_reference(fn, [x, t], (0, 0), B), f"ignore {ignore}")
+        def fn(a, b):
+            return A.nll_loss_forward(a, b, torch.ones(C, dtype=DTYPE), 1, ignore)
+
+        assert_close(vmap(fn)(x, t), loop_reference(fn, [x, t], (0, 0), B), f"ignore {ignore}",
+                     equal_nan=True)
 
 
 POINTWISE = {
@@ -199,10 +194,12 @@ def test_pointwise_backward_broadcasts_like_stock(loss: str) -> None:
     decomposition gives (eager resizes its output to it with a deprecation warning)."""
     op = POINTWISE[loss]
     g, x, t = torch.randn(B, dtype=DTYPE), torch.randn(B, 3, dtype=DTYPE), torch.randn(2, 3, dtype=DTYPE)
-    fn = lambda g_, x_, t_: op(g_, x_, t_, 1)
+    def fn(g_, x_, t_):
+        return op(g_, x_, t_, 1)
+
     actual = vmap(fn, in_dims=(0, 0, None))(g, x, t)
     expected = torch.stack([op(g[i], x[i].expand(2, 3), t, 2) / x[i].numel() for i in range(B)])
-    assert_close(actual, expected, "broadcast")
+    assert_close(actual, expected, "broadcast", equal_nan=True)
 
 
 @pytest.mark.parametrize("device", available_devices())

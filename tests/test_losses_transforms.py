@@ -13,6 +13,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_close
 from torch import Tensor
 from torch.autograd.functional import hessian as eager_hessian
 from torch.autograd.functional import jacobian as eager_jacobian
@@ -106,18 +107,15 @@ SCALAR_CASES = [k for k in CASES if "none" not in k]
 # torch.func agree on it, so it stays in.
 
 
-@pytest.fixture(autouse=True)
-def seeded() -> None:
-    torch.manual_seed(0)
-
-
 def make_batch(case: LossCase, batch: int = B) -> Tuple[Tensor, Tensor]:
     x = torch.randn((batch,) + case.input_shape, dtype=DTYPE)
     return x, torch.stack([case.target(i) for i in range(batch)])
 
 
 def loop(fn: Callable, x: Tensor, t: Tensor, in_dims: Sequence[Optional[int]]) -> Tensor:
-    pick = lambda a, d, i: a if d is None else a.select(d, i)
+    def pick(a, d, i):
+        return a if d is None else a.select(d, i)
+
     return torch.stack([fn(pick(x, in_dims[0], i), pick(t, in_dims[1], i)) for i in range(B)])
 
 
@@ -143,18 +141,14 @@ def eager_jacfwd(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     return torch.stack(columns, -1).view(columns[0].shape + x.shape)
 
 
-def assert_close(actual: Tensor, expected: Tensor) -> None:
-    torch.testing.assert_close(actual, expected, equal_nan=True)
-
-
 def check_both_routings(transformed: Callable, args: Sequence[Tensor], expected: Tensor) -> None:
     """The transform matches the reference with routing on, and equals routing off."""
     with batchrules.enabled(True):
         routed = transformed(*args)
-    assert_close(routed, expected)
+    assert_close(routed, expected, equal_nan=True)
     with batchrules.enabled(False):
         stock = transformed(*args)
-    assert_close(routed, stock)
+    assert_close(routed, stock, equal_nan=True)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -246,6 +240,8 @@ def test_class_weights_per_model() -> None:
     """Per-model class weights, batched with the logits (in_dims=(0, None, 0))."""
     x, t = make_batch(CASES["ce_mean"])
     w = torch.rand(B, C, dtype=DTYPE) + 0.5
-    fn = lambda x_, t_, w_: F.cross_entropy(x_, t_, w_, ignore_index=IGNORE)
+    def fn(x_, t_, w_):
+        return F.cross_entropy(x_, t_, w_, ignore_index=IGNORE)
+
     expected = torch.stack([eager_grad(lambda a, b: fn(a, b, w[i]))(x[i], t[1]) for i in range(B)])
     check_both_routings(vmap(grad(fn), in_dims=(0, None, 0)), (x, t[1], w), expected)

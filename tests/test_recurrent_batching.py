@@ -10,14 +10,29 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import assert_close
+from recurrent_reference import (
+    KINDS,
+    LSTM_ONLY,
+    PROJ,
+    RNN_CASES,
+    B,
+    batched,
+    call,
+    check_forward,
+    ensemble,
+    input_shape,
+    loop,
+    make_cell,
+    make_hx,
+    make_rnn,
+    routed,
+    scalar,
+)
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_leaves, tree_map
-
-from recurrent_reference import (B, KINDS, LSTM_ONLY, PROJ, RNN_CASES, assert_close, batched, call,
-                                 check_forward, ensemble, input_shape, loop, make_cell, make_hx,
-                                 make_rnn, routed, scalar)
 
 RNN_PARAMS = [pytest.param(kind, *case, id=f"{kind}-{name}") for kind in KINDS
               for name, case in RNN_CASES.items() if kind == "lstm" or name not in LSTM_ONLY]

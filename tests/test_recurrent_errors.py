@@ -5,14 +5,29 @@ import re
 
 import pytest
 import torch
+from conftest import vmap_fallback_off
+from recurrent_reference import (
+    HIDDEN,
+    IN,
+    KINDS,
+    B,
+    N,
+    T,
+    batched,
+    call,
+    check_forward,
+    input_shape,
+    loop,
+    make_cell,
+    make_rnn,
+    routed,
+)
 from torch import nn
 from torch.func import vmap
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 from torch.utils._pytree import tree_map
 
 import batchrules
-from recurrent_reference import (B, HIDDEN, IN, KINDS, N, T, batched, call, check_forward,
-                                 vmap_fallback_off, input_shape, loop, make_cell, make_rnn, routed)
 
 ROUTED_OPS = [f"aten::{op}.input" for op in ("lstm", "gru", "rnn_tanh", "rnn_relu")] + [
     f"aten::{op}_cell" for op in ("lstm", "gru", "rnn_tanh", "rnn_relu")]

@@ -8,10 +8,24 @@ from typing import Callable
 
 import pytest
 import torch
+from conftest import assert_close
+from recurrent_reference import (
+    HIDDEN,
+    IN,
+    RNN_CASES,
+    B,
+    N,
+    T,
+    batched,
+    call,
+    ensemble,
+    input_shape,
+    loop,
+    make_hx,
+    make_rnn,
+    routed,
+)
 from torch.func import functional_call, grad, vmap
-
-from recurrent_reference import (B, HIDDEN, IN, N, RNN_CASES, T, assert_close, batched, call,
-                                 ensemble, input_shape, loop, make_hx, make_rnn, routed)
 
 F32 = torch.float32
 TOL = {"rtol": 1e-5, "atol": 1e-6}

@@ -7,25 +7,13 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from recurrent_reference import GRU, LSTM, operands, transposed_rows
 from torch import nn
 from torch.func import grad, vmap
 
 import batchrules
-from recurrent_reference import transposed_rows
 
 recurrence = torch.ops.batchrules.rnn_recurrence.default
-LSTM, GRU = 0, 1
-GATES = {LSTM: 4, GRU: 3}
-
-
-def operands(E, N, H, P=None, bias=True, scale=1.0, seed=0, mode=LSTM):
-    gen = torch.Generator().manual_seed(seed)
-    P = P or H
-    G = GATES[mode] * H
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    return dict(input_gates=scale * r(7, E, N, G), h0=r(E, N, P),
-                c0=r(E, N, H) if mode == LSTM else None, w_hh=0.3 * r(E, G, P),
-                b_hh=r(E, G) if bias else None, w_hr=0.3 * r(E, P, H) if P != H else None)
 
 
 def run(ops, dtype, reverse=False, c0_transposed=False, mode=LSTM, h0_transposed=False):

@@ -10,15 +10,30 @@ import functools
 
 import pytest
 import torch
+from conftest import assert_close, params_of
+from recurrent_reference import (
+    KINDS,
+    PROJ,
+    B,
+    batched,
+    call,
+    ensemble,
+    example_args,
+    input_shape,
+    leaves_like,
+    make_cell,
+    make_hx,
+    make_rnn,
+    routed,
+    scalar,
+    stack,
+)
 from torch import nn
 from torch.autograd.functional import jacobian
 from torch.func import functional_call, grad, jacfwd, jacrev, vmap
 from torch.utils._pytree import tree_map
 
 import batchrules
-from recurrent_reference import (B, KINDS, PROJ, assert_close, batched, call, ensemble,
-                                 example_args, input_shape, leaves_like, make_cell, make_hx,
-                                 make_rnn, routed, scalar, stack)
 
 MODULES = {  # name: builder of a float64 module
     "one_layer": lambda kind: make_rnn(kind),
@@ -39,10 +54,6 @@ def first(output):
 def module_and_input(kind: str, name: str, per_example_batch: bool = True):
     module = MODULES[name](kind)
     return module, batched(input_shape(module, per_example_batch), 0)
-
-
-def params_of(module: nn.Module) -> dict:
-    return {k: v.detach() for k, v in module.named_parameters()}
 
 
 def eager_grads(module: nn.Module, x, hx, wrt: str):

@@ -6,12 +6,12 @@ fused (float32) or not (float64); and clipped_grad's LSTM step makes no
 transposing copy of the gate gradients."""
 import pytest
 import torch
+from recurrent_reference import operands
 from torch import nn
 from torch.func import functional_call
 from torch.profiler import profile
 
 import batchrules
-from test_recurrent_fused_cell import GATES, operands
 
 recurrence = torch.ops.batchrules.rnn_recurrence.default
 MODES = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}

@@ -7,9 +7,9 @@ import platform
 
 import pytest
 import torch
+from recurrent_reference import transposed_rows
 
 from batchrules import _C
-from recurrent_reference import transposed_rows
 
 recurrence = torch.ops.batchrules.rnn_recurrence.default
 GATES = {0: 4, 1: 3, 2: 1, 3: 1}  # LSTM, GRU, RNN tanh, RNN relu

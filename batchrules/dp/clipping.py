@@ -3,65 +3,83 @@
 Each parameter is handled by the kind of its uses (the calls whose output
 reached the loss):
   kind          uses                                 norms / clipped sum
-  a rule's      only weight uses of one layer rule   the rule's norms_sq /
-  (its kind)    (rule.py), which ``factored`` takes  clipped_sum
+  a use's kind  only weight uses of one layer rule,  its Clipping's
+  (Use.kind)    which its Clipping's ``factored``    norms_sq / clipped_sum
+                takes (rule.py)
   tied          weight uses of several rules (or     each part's, and cross
                 calls), each part offering factors   terms (Note [One
                                                      parameter, several uses])
   bias          only bias uses                       [B, *shape] per-sample
                                                      gradients / one GEMV
   materialized  anything else: a per-sample copy     [B, *shape] per-sample
-                (tape.py), a weight the rule does    gradients / one GEMV
-                not factor, or parts without factors
+                (tape.py), a weight the Clipping     gradients / one GEMV
+                does not factor, or parts without
+                factors
   zero          no use reached the loss              zeros
 A bias used by exactly the calls of its weight (its fused bias) is summed
-with it, and its norm is the weight rule's when ``norms_include_bias``.
+with it, and its norm is the weight's when its Clipping's
+``norms_include_bias``.
 """
 from collections import Counter
 from itertools import combinations
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Type
 
 import torch
 from torch import Tensor
 
 from .cost import cross_inner, sq_norms
-from .rule import Use
+from .rule import CLIPPINGS, Factors, Use
 from .tape import Param, zeros_grad
 
 # Added to the norm before dividing, as Opacus does: c_i = min(1, C / (||g_i|| + EPS)).
 EPS = 1e-6
 
 # The kinds clipped from per-sample gradients; any kind but these, "zero" and
-# "tied" is a layer rule's (Use.kind).
+# "tied" is a Clipping's (Use.kind).
 _PER_SAMPLE = ("bias", "materialized")
-_NOT_RULE_KINDS = (*_PER_SAMPLE, "zero", "tied")
+_NOT_CLIPPING_KINDS = (*_PER_SAMPLE, "zero", "tied")
 
 
 # Note [One parameter, several uses]
 # A parameter used by several calls (weights tied across layers, a layer
-# applied twice) has as per-sample gradient the sum over its uses. A rule
-# whose ``factored`` takes them all treats them as one use (a linear's: one
-# linear over the concatenated rows). Otherwise its weight uses split into
-# parts (a rule's uses that ``factored`` takes together, or single calls),
-# and if every part offers factors the parameter is "tied": its norm is each
+# applied twice) has as per-sample gradient the sum over its uses. A
+# Clipping whose ``factored`` takes them all treats them as one use (a
+# linear's: one linear over the concatenated rows). Otherwise its weight uses
+# split into parts (a rule's uses that its Clipping's ``factored`` takes
+# together, or single calls), and if every part offers factors the parameter is "tied": its norm is each
 # part's own plus the cross terms (Note [Cross terms of tied parameters] in
 # cost.py), its clipped sum the parts' clipped sums added. Anything else (a
 # per-sample copy, a bias role among the uses, a part without factors) takes
 # the materialized path: each use's per-sample gradient [B, *shape], summed.
 def _parts(uses: List[Use]) -> Optional[List[List[Use]]]:
-    """Weight uses grouped as their rules take them; None if some use is not taken."""
-    by_rule: Dict[type, List[Use]] = {}
+    """Weight uses grouped as their Clippings take them; None if some use is not taken."""
+    by_class: Dict[Type[Use], List[Use]] = {}
     for u in uses:
-        by_rule.setdefault(type(u), []).append(u)
+        by_class.setdefault(type(u), []).append(u)
     parts: List[List[Use]] = []
-    for rule, own in by_rule.items():
-        if rule.factored(own):
+    for cls, own in by_class.items():
+        clipping = CLIPPINGS[cls.kind]
+        if clipping.factored(own):
             parts.append(own)
-        elif all(rule.factored([u]) for u in own):
+        elif all(clipping.factored([u]) for u in own):
             parts += [[u] for u in own]
         else:
             return None
     return parts
+
+
+def _tied_parts(param: Param) -> List[List[Use]]:
+    """The parts of a parameter of the kind "tied"."""
+    parts = _parts(param.uses)
+    assert parts is not None
+    return parts
+
+
+def _factors(part: List[Use]) -> Factors:
+    """A part's factors, which every part of a "tied" parameter offers."""
+    factors = CLIPPINGS[part[0].kind].factors(part)
+    assert factors is not None
+    return factors
 
 
 def kind(param: Param) -> str:
@@ -76,8 +94,8 @@ def kind(param: Param) -> str:
     if parts is None:
         return "materialized"
     if len(parts) == 1:
-        return type(parts[0][0]).kind
-    if all(type(part[0]).factors(part) is not None for part in parts):
+        return parts[0][0].kind
+    if all(CLIPPINGS[part[0].kind].factors(part) is not None for part in parts):
         return "tied"
     return "materialized"
 
@@ -119,15 +137,15 @@ def _joint_groups(params: List[Param], kinds: Dict[Param, str],
     """Each weight whose norm is part of a joint norm: its group's uses."""
     groups: Dict[Param, List[Use]] = {}
     for p in params:
-        if kinds[p] in _NOT_RULE_KINDS or len(p.uses) != 1 or p.uses[0].grad_partners is None:
+        if kinds[p] in _NOT_CLIPPING_KINDS or len(p.uses) != 1 or p.uses[0].grad_partners is None:
             continue
         partners = p.uses[0].grad_partners
         weights = [_role(u, "weight") for u in partners]
         # w.uses == [u]: u reached the loss (the backward keeps only such uses) and is w's only one
-        if all(type(u).norms_include_bias and w is not None
-               and kinds.get(w) == type(u).kind and w.uses == [u]
+        if all(CLIPPINGS[u.kind].norms_include_bias and w is not None
+               and kinds.get(w) == u.kind and w.uses == [u]
                and _role(u, "bias") == fused.get(w) for u, w in zip(partners, weights)):
-            groups.update((w, partners) for w in weights)  # type: ignore[misc]
+            groups.update((w, partners) for w in weights if w is not None)
     return groups
 
 
@@ -138,7 +156,7 @@ def _role(use: Use, role: str) -> Optional[Param]:
 def _norms(params: List[Param], kinds: Dict[Param, str], fused: Dict[Param, Param],
            per_sample: Dict[Param, Tensor], batch: int) -> Tensor:
     squares: List[Tensor] = []
-    in_weight_norm = {b for w, b in fused.items() if type(w.uses[0]).norms_include_bias}
+    in_weight_norm = {b for w, b in fused.items() if CLIPPINGS[kinds[w]].norms_include_bias}
     joint = _joint_groups(params, kinds, fused)
     joined: List[List[Use]] = []
     for p in params:
@@ -147,8 +165,8 @@ def _norms(params: List[Param], kinds: Dict[Param, str], fused: Dict[Param, Para
             group = joint[p]
             if not any(group is g for g in joined):
                 joined.append(group)
-                biases = [fused.get(_role(u, "weight")) for u in group]  # type: ignore[arg-type]
-                squares.append(type(group[0]).joint_norms_sq(group, biases))
+                biases = [_role(u, "bias") for u in group]  # each its weight's fused bias
+                squares.append(CLIPPINGS[group[0].kind].joint_norms_sq(group, biases))
         elif k in _PER_SAMPLE:
             if p not in in_weight_norm:
                 per_sample[p] = per_sample_grad(p, batch)
@@ -156,8 +174,7 @@ def _norms(params: List[Param], kinds: Dict[Param, str], fused: Dict[Param, Para
         elif k == "tied":
             squares.append(_tied_norms_sq(p))
         elif k != "zero":
-            uses = p.uses
-            squares.append(type(uses[0]).norms_sq(uses, fused.get(p)))
+            squares.append(CLIPPINGS[k].norms_sq(p.uses, fused.get(p)))
     if not squares:
         return torch.zeros(batch, dtype=params[0].value.dtype if params else None,
                            device=params[0].value.device if params else None)
@@ -169,11 +186,11 @@ def _norms(params: List[Param], kinds: Dict[Param, str], fused: Dict[Param, Para
 
 def _tied_norms_sq(p: Param) -> Tensor:
     """Each part's squared norms, plus twice the cross terms of each pair of parts."""
-    parts = _parts(p.uses)
-    total = type(parts[0][0]).norms_sq(parts[0], None)
+    parts = _tied_parts(p)
+    total = CLIPPINGS[parts[0][0].kind].norms_sq(parts[0], None)
     for part in parts[1:]:
-        total = total + type(part[0]).norms_sq(part, None)
-    factors = [type(part[0]).factors(part) for part in parts]
+        total = total + CLIPPINGS[part[0].kind].norms_sq(part, None)
+    factors = [_factors(part) for part in parts]
     for a, b in combinations(factors, 2):
         total = total + 2 * cross_inner(a, b)
     return total
@@ -185,18 +202,17 @@ def _clipped_sum(p: Param, k: str, coef: Tensor, fused: Dict[Param, Param],
     """The clipped sum of ``p`` (and of its fused bias)."""
     if k in _PER_SAMPLE:
         g = per_sample.pop(p)
-        # B x B,P -> P (torch.matmul: tensordot's Python wrapper cost ~4 us a parameter)
+        # B x B,P -> P (torch.matmul: tensordot adds a Python wrapper's cost per parameter)
         return torch.matmul(coef.to(g.dtype), g.reshape(g.shape[0], -1)).view(g.shape[1:]), None
     if k == "zero":
         return torch.zeros_like(p.value), None
     if k == "tied":  # additive over the parts (their biases, if any, are of kind "bias")
-        parts = _parts(p.uses)
-        total = type(parts[0][0]).clipped_sum(parts[0], coef, None, owned)[0]
+        parts = _tied_parts(p)
+        total = CLIPPINGS[parts[0][0].kind].clipped_sum(parts[0], coef, None, owned)[0]
         for part in parts[1:]:
-            total = total + type(part[0]).clipped_sum(part, coef, None, owned)[0]
+            total = total + CLIPPINGS[part[0].kind].clipped_sum(part, coef, None, owned)[0]
         return total, None
-    uses = p.uses
-    return type(uses[0]).clipped_sum(uses, coef, fused.get(p), owned)
+    return CLIPPINGS[k].clipped_sum(p.uses, coef, fused.get(p), owned)
 
 
 def _storage(t: Tensor) -> int:
@@ -215,7 +231,7 @@ def clip(params: List[Param], batch: int, max_norm: float) -> Tuple[List[Tensor]
         device = params[0].value.device if params else None
         return [torch.zeros_like(p.value) for p in params], torch.zeros(0, dtype=dtype, device=device)
     kinds = {p: kind(p) for p in params}
-    fused = {p: b for p in params if kinds[p] not in _NOT_RULE_KINDS
+    fused = {p: b for p in params if kinds[p] not in _NOT_CLIPPING_KINDS
              for b in [_fused_bias(p, kinds)] if b is not None}
     per_sample: Dict[Param, Tensor] = {}
     norms = _norms(params, kinds, fused, per_sample, batch)
@@ -236,7 +252,7 @@ def clip(params: List[Param], batch: int, max_norm: float) -> Tuple[List[Tensor]
         if p in sums or p in fused_biases:
             continue
         sums[p], grad_b = _clipped_sum(p, kinds[p], coef, fused, per_sample, owned)
-        if p in fused:
+        if grad_b is not None:  # p's fused bias'
             sums[fused[p]] = grad_b
         for use in p.uses:
             if all(q in sums for q in use.roles()):

@@ -23,7 +23,7 @@ magnitude slower. Where MKL's sgemm is the faster (an Intel CPU: Note [MKL or
 oneDNN by CPU vendor] in csrc/common/cpu_gemm.h) every sum is ``torch.mm``
 (``_ONEDNN_PREFERRED``).
 """
-from typing import Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -49,11 +49,12 @@ def clipped_gemm(x: Tensor, y: Tensor, c: Tensor, writable: Tuple[bool, bool]) -
     narrow, wide = (x, y) if scale_x else (y, x)
     in_place = writable[0 if scale_x else 1]
     wide_rows = wide.reshape(batch * rows, wide.shape[-1])
-    if _onednn_runs(narrow, wide_rows, batch * rows * m * n, in_place):
+    onednn = _onednn_for(narrow, wide_rows, batch * rows * m * n, in_place)
+    if onednn is not None:
         # X = (c narrow)^T [K, R], contiguous; W = wide^T, a view: X W^T = (c narrow)^T wide
         scaled = narrow.new_empty(narrow.shape[-1], batch, rows)
         torch.mul(narrow.permute(2, 0, 1), c.view(1, -1, 1), out=scaled)
-        out = _ONEDNN(scaled.view(-1, batch * rows), wide_rows.t(), None, "none", [None], "")
+        out = onednn(scaled.view(-1, batch * rows), wide_rows.t(), None, "none", [None], "")
         return out if scale_x else out.t().contiguous()
     c3 = c.view(-1, 1, 1)
     scaled_rows = (narrow.mul_(c3) if in_place else narrow * c3).reshape(batch * rows,
@@ -62,10 +63,12 @@ def clipped_gemm(x: Tensor, y: Tensor, c: Tensor, writable: Tuple[bool, bool]) -
             else torch.mm(wide_rows.t(), scaled_rows))
 
 
-def _onednn_runs(narrow: Tensor, wide_rows: Tensor, macs: int, in_place: bool) -> bool:
-    """Note [oneDNN for the clipped sums]; ``wide_rows``: the wider operand as ``[R, K]``."""
-    return (_ONEDNN is not None and _ONEDNN_PREFERRED and torch._C._get_mkldnn_enabled()
-            and macs >= _ONEDNN_MIN_MACS
+def _onednn_for(narrow: Tensor, wide_rows: Tensor, macs: int,
+                in_place: bool) -> Optional[Callable[..., Tensor]]:
+    """oneDNN's linear where it forms the sum (Note [oneDNN for the clipped
+    sums]), else None; ``wide_rows``: the wider operand as ``[R, K]``."""
+    runs = (_ONEDNN_PREFERRED and torch._C._get_mkldnn_enabled() and macs >= _ONEDNN_MIN_MACS
             and narrow.device.type == "cpu" and narrow.dtype == wide_rows.dtype == torch.float32
             and wide_rows.is_contiguous()
             and not (in_place and narrow.numel() > narrow.shape[-1] * wide_rows.shape[-1]))
+    return _ONEDNN if runs else None

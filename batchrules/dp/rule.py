@@ -5,14 +5,15 @@ A ``Rule`` handles some torch functions when the loss calls them directly at
 clipped_grad's vmap level with a parameter among the arguments
 (interceptor.py). A layer rule is a ``Use`` subclass: its ``intercept`` runs
 the call on physical tensors and records one instance, a use of its
-parameters, on the tape (tape.py); after the backward the class computes a
-weight's per-sample squared norms and clipped sum from its uses' recorded
-inputs and output gradients (clipping.py), or one use's per-sample gradient of
-a parameter when that is materialized. A rule without uses of its own (a
-composite that records other rules' uses, or a refusal) is a plain ``Rule``.
+parameters, on the tape (tape.py); a use gives its per-sample gradient of a
+parameter when that is materialized. The ``Clipping`` registered for the
+use's ``kind`` computes, after the backward, a weight's per-sample squared
+norms and clipped sum from its uses' recorded inputs and output gradients
+(clipping.py). A rule without uses of its own (a composite that records other
+rules' uses, or a refusal) is a plain ``Rule``.
 """
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Any, Callable, ClassVar, Dict, Generic, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import torch
 from torch import Tensor
@@ -69,35 +70,30 @@ def cat_rows(parts: List[Tensor]) -> Tensor:
 
 
 class Use(Rule):
-    """One intercepted call that used parameters through a detached copy.
+    """One intercepted call that used parameters through a detached copy: the
+    record its rule's ``intercept`` puts on the tape.
 
     ``edge`` is the autograd edge of the call's physical output (a tensor that
     is not a view; see Note [Tapping an output that may later change in
-    place] in tape.py); after the backward, ``grad`` holds
-    ``d sum_i loss_i / d out``, reshaped by ``set_grad``, or None when the
-    output did not reach the loss.
-
-    The class methods take a weight's live uses, all of this class and in the
-    role "weight", and its fused bias: a parameter used in the role "bias" by
-    exactly those calls, or None (see clipping.py).
+    place] in tape.py); after the backward, a use whose output reached the
+    loss holds in ``grad`` ``d sum_i loss_i / d out``, reshaped by
+    ``set_grad`` (the others are dropped from their parameters' uses).
     """
 
     edge: GradientEdge
-    grad: Optional[Tensor]
-    # The weight's kind when ``factored`` takes its uses (clipping.py, tests).
-    kind: ClassVar[str]
-    # Whether ``norms_sq`` covers the fused bias too; if not, the bias' norm
-    # comes from its per-sample gradient.
-    norms_include_bias: ClassVar[bool] = False
+    grad: Tensor
+    # The Clipping of the weights these uses apply (CLIPPINGS); the default
+    # factors none: their per-sample gradients are materialized.
+    kind: ClassVar[str] = "materialized"
     # The uses of one call that read back the same output gradient, this one
-    # included, where the rule offers ``joint_norms_sq`` for them.
+    # included, where their Clipping offers ``joint_norms_sq`` for them.
     grad_partners: Optional[List["Use"]] = None
 
     def roles(self) -> Dict[Param, str]:
         """The parameters of this use, each with its role ("weight" / "bias")."""
         raise NotImplementedError
 
-    def set_grad(self, grad: Optional[Tensor]) -> None:
+    def set_grad(self, grad: Tensor) -> None:
         """Takes the output's gradient (in the weight's dtype) and brings the
         recorded floating-point inputs to its dtype (Note [clipped_grad under
         autocast] in transform.py)."""
@@ -112,40 +108,69 @@ class Use(Rule):
         """Drops the recorded tensors once every parameter of the use is summed."""
         raise NotImplementedError
 
-    @classmethod
-    def factored(cls, uses: List["Use"]) -> bool:
+
+U = TypeVar("U", bound=Use)
+
+
+class Clipping(Generic[U]):
+    """How the weights that uses of one kind apply are clipped without their
+    per-sample gradients: norms and clipped sums from the uses' records.
+
+    The methods take a weight's live uses, all of this kind and in the role
+    "weight", and its fused bias: a parameter used in the role "bias" by
+    exactly those calls, or None (see clipping.py). This base class factors
+    no use: the weight's per-sample gradient is materialized.
+    """
+
+    # Whether ``norms_sq`` covers the fused bias too; if not, the bias' norm
+    # comes from its per-sample gradient.
+    norms_include_bias: ClassVar[bool] = False
+
+    def factored(self, uses: List[U]) -> bool:
         """Whether ``norms_sq`` and ``clipped_sum`` take these uses of a weight;
         if not, its per-sample gradient is materialized."""
         return False
 
-    @classmethod
-    def factors(cls, uses: List["Use"]) -> Optional[Factors]:
+    def factors(self, uses: List[U]) -> Optional[Factors]:
         """These uses' part of the weight's per-sample gradient, as factors,
-        for a weight also used by other classes or calls (clipping.py); None:
+        for a weight also used by other kinds or calls (clipping.py); None:
         not offered (the weight's per-sample gradient is then materialized)."""
         return None
 
-    @classmethod
-    def norms_sq(cls, uses: List["Use"], bias: Optional[Param]) -> Tensor:
+    def norms_sq(self, uses: List[U], bias: Optional[Param]) -> Tensor:
         """``[B]``: the weight's per-sample squared gradient norms (and its
         fused bias' when ``norms_include_bias``)."""
         raise NotImplementedError
 
-    @classmethod
-    def clipped_sum(cls, uses: List["Use"], coef: Tensor, bias: Optional[Param],
+    def clipped_sum(self, uses: List[U], coef: Tensor, bias: Optional[Param],
                     owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
         """``sum_i coef_i (gradient of sample i)`` for the weight and for
         ``bias`` (None without one). ``owned(g)``: whether the recorded output
         gradient ``g`` may be scaled in place (clipping.py)."""
         raise NotImplementedError
 
-    @classmethod
-    def joint_norms_sq(cls, uses: List["Use"], biases: List[Optional[Param]]) -> Tensor:
+    def joint_norms_sq(self, uses: List[U], biases: List[Optional[Param]]) -> Tensor:
         """``[B]``: the summed squared norms of several weights, each used once,
         by these uses that share one output gradient (``grad_partners``), and
         of their fused biases (Note [Weights sharing an output gradient] in
         clipping.py)."""
         raise NotImplementedError
+
+
+# Each kind's Clipping, by ``Use.kind``: what clipping.py clips a weight with.
+CLIPPINGS: Dict[str, Clipping[Any]] = {Use.kind: Clipping()}
+C = TypeVar("C", bound=Type[Clipping[Any]])
+
+
+def register_clipping(kind: str) -> Callable[[C], C]:
+    """Class decorator: an instance of the class clips the weights of the uses
+    whose ``kind`` is ``kind``."""
+    def add(clipping: C) -> C:
+        if kind in CLIPPINGS:
+            raise ValueError(f"clipped_grad: two Clippings of the kind {kind!r}")
+        CLIPPINGS[kind] = clipping()
+        return clipping
+    return add
 
 
 Intercept = Callable[[Tape, Tuple[Any, ...], Dict[str, Any]], Any]  # a Rule.intercept

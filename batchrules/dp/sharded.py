@@ -40,12 +40,15 @@ gradients. During a step it holds the full parameters of every block at once
 gathers block by block) and the full clipped sums until the reduce-scatter.
 """
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+if TYPE_CHECKING:  # imported where used: importing batchrules does not import DTensor
+    from torch.distributed.tensor import DTensor
 
 
 def all_reduce_flat(tree: Any, group: Optional["dist.ProcessGroup"] = None) -> Any:
@@ -80,7 +83,7 @@ def unsharded(model: nn.Module) -> Iterator[Dict[str, Tensor]]:
 
 
 def reduce_scatter_flat(full: Dict[str, Tensor], sharded: Dict[str, Tensor],
-                        group: Optional["dist.ProcessGroup"] = None) -> Dict[str, Tensor]:
+                        group: Optional["dist.ProcessGroup"] = None) -> Dict[str, "DTensor"]:
     """``full`` (one full-size tensor per name, e.g. this rank's clipped sums)
     summed over the ranks, each rank keeping only its shard: a DTensor laid
     out as ``sharded[name]`` (FSDP2's ``Shard(0)`` on a 1-D mesh). One
@@ -90,12 +93,14 @@ def reduce_scatter_flat(full: Dict[str, Tensor], sharded: Dict[str, Tensor],
     from torch.distributed.tensor import DTensor, Shard
 
     names = list(sharded)
-    like = [sharded[k] for k in names]
-    for k, t in zip(names, like):
+    like: List[DTensor] = []
+    for k in names:
+        t = sharded[k]
         if not (isinstance(t, DTensor) and t.device_mesh.ndim == 1
                 and tuple(t.placements) == (Shard(0),)):
             raise ValueError(f"reduce_scatter_flat: {k} is not a DTensor sharded on dim 0 of a "
                              "1-D mesh (fully_shard's layout)")
+        like.append(t)
     mesh = like[0].device_mesh
     group = group if group is not None else mesh.get_group()
     world = dist.get_world_size(group)
@@ -104,7 +109,7 @@ def reduce_scatter_flat(full: Dict[str, Tensor], sharded: Dict[str, Tensor],
     send = _pack([full[k] for k in names], row_shapes, world)
     recv = send.new_empty(send.numel() // world)
     dist.reduce_scatter_single(recv, send, group=group)
-    shards: List[Tensor] = []
+    shards: List[DTensor] = []
     for t, piece in zip(like, _split(recv, row_shapes)):
         local = piece[:t.to_local().shape[0]]  # a view of recv: no copy
         shards.append(DTensor.from_local(local, mesh, [Shard(0)], shape=t.shape, stride=t.stride()))

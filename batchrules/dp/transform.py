@@ -26,13 +26,13 @@ import contextlib
 import functools
 import math
 import numbers
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 from torch.func import vmap
-from torch.utils._pytree import (keystr, tree_flatten, tree_flatten_with_path, tree_map,
-                                 tree_unflatten)
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from .. import routing
 from .._compat import batched_level, current_transform_level, unwrap_batched, vmap_over_tensors
@@ -41,6 +41,7 @@ from .clipping import clip
 from .gc_pause import paused_gc
 from .interceptor import Interceptor, intercepted_leaf
 from .layers import INTERCEPTS
+from .rule import Use
 from .tape import Param, Tape
 
 ArgNums = Union[int, Tuple[int, ...]]
@@ -164,6 +165,7 @@ def _forward(loss: Callable[..., Any], has_aux: bool, randomness: str, args: Tup
 
     def per_sample(*batched_args: Any) -> Any:
         level = current_transform_level()
+        assert level is not None  # under vmap
         tape = Tape(params, _batch_size(batched_args, level), level)
         tapes.append(tape)
         one = list(batched_args)
@@ -190,12 +192,14 @@ def _backward(losses: Tensor, tape: Tape, params: List[Param]) -> None:
     output gradients onto the recorded uses, per-sample copies' gradients
     onto their params."""
     copies = [p for p in params if p.copy is not None]
-    inputs = [u.edge for u in tape.uses] + [p.copy for p in copies] + [p.leaf for p in params]
+    inputs: List[Union[GradientEdge, Tensor]] = [u.edge for u in tape.uses]
+    inputs += [p.copy for p in params if p.copy is not None] + [p.leaf for p in params]
     grads: Tuple[Optional[Tensor], ...] = (None,) * len(inputs)
     if losses.requires_grad and inputs:
         # The leaves are interceptor.Differentiated: no __torch_function__ round trip.
         with torch._C.DisableTorchFunctionSubclass():
-            grads = torch.autograd.grad(losses.sum(), inputs, allow_unused=True)
+            # torch's stub takes tensors or edges; autograd.grad takes both together
+            grads = torch.autograd.grad(losses.sum(), inputs, allow_unused=True)  # type: ignore[arg-type]
     leaf_grads = grads[len(tape.uses) + len(copies):]
     escaped = [p.name for p, g in zip(params, leaf_grads) if g is not None]
     if escaped:
@@ -205,13 +209,16 @@ def _backward(losses: Tensor, tape: Tape, params: List[Param]) -> None:
             "subclass, or a hook), so its per-sample norm would be wrong. Use it directly in "
             "the loss (as functional_call does), outside nested transforms")
     tape.check_inputs_unchanged()
+    reached: Set[Use] = set()
     for use, g in zip(tape.uses, grads):
-        # See Note [clipped_grad under autocast].
-        use.set_grad(g if g is None else g.to(next(iter(use.roles())).value.dtype))
+        if g is not None:
+            # See Note [clipped_grad under autocast].
+            use.set_grad(g.to(next(iter(use.roles())).value.dtype))
+            reached.add(use)
     for p, g in zip(copies, grads[len(tape.uses):]):
         p.copy_grad = g
     for p in params:  # the clipping sees only the uses whose output reached the loss
-        p.uses = [u for u in p.uses if u.grad is not None]
+        p.uses = [u for u in p.uses if u in reached]
 
 
 def _positions(argnums: ArgNums, n_args: int) -> Tuple[int, ...]:

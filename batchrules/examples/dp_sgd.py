@@ -215,6 +215,7 @@ def train(config: DPConfig, model: Optional[nn.Module] = None, rank: int = 0, wo
     model = model if model is not None else make_model(config)
     if step is None:
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+        noise: Optional[List[torch.Generator]]
         if config.noise_shards == world:  # each rank its own shard's noise
             noise, first = noise_generators(config, [rank]), rank
         else:  # rank 0 all of it

@@ -23,7 +23,7 @@ import tempfile
 import time
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -40,11 +40,13 @@ def shard_model(model: nn.Module) -> nn.Module:
     linears), then the root for the rest."""
     from torch.distributed.fsdp import fully_shard
 
-    blocks = list(model.layers) if hasattr(model, "layers") else \
+    layers = getattr(model, "layers", None)
+    blocks = list(layers) if isinstance(layers, nn.ModuleList) else \
         [m for m in model.modules() if isinstance(m, nn.Linear)]
     for block in blocks:
         fully_shard(block)
-    return fully_shard(model)
+    fully_shard(model)  # the same module, now an FSDPModule too
+    return model
 
 
 def fsdp_step(model: nn.Module, arch: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor,
@@ -71,7 +73,7 @@ def fsdp_step(model: nn.Module, arch: nn.Module, optimizer: torch.optim.Optimize
     return norms
 
 
-def local_bytes(tensors: List[Optional[Tensor]]) -> int:
+def local_bytes(tensors: Sequence[Optional[Tensor]]) -> int:
     """Bytes of the tensors this rank holds (a DTensor's local shard)."""
     total = 0
     for t in tensors:
@@ -129,7 +131,10 @@ def _fsdp_worker(rank: int, world: int, port: int, config: DPConfig, out_dir: st
               "full": sum(p.numel() * p.element_size() for p in params)}
     with open(os.path.join(out_dir, f"memory{rank}.json"), "w") as f:
         json.dump(memory, f)
-    state = {k: p.full_tensor() for k, p in model.named_parameters()}  # a collective: all ranks
+    from torch.distributed.tensor import DTensor
+
+    # fully_shard made every parameter a DTensor; full_tensor is a collective: all ranks
+    state = {k: cast(DTensor, p).full_tensor() for k, p in model.named_parameters()}
     torch.save(state, os.path.join(out_dir, f"rank{rank}.pt"))
     _finish()
 

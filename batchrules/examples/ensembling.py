@@ -9,7 +9,7 @@ optimizer update them, which trains the N models at once.
     python -m batchrules.examples.ensembling
 """
 import copy
-from typing import Dict, List, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ def make_mlp(in_features: int, hidden: int, classes: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
 
 
-def stack_models(models: List[nn.Module]) -> Tuple[nn.Module, Params, Params]:
+def stack_models(models: Sequence[nn.Module]) -> Tuple[nn.Module, Params, Params]:
     """``(base, params, buffers)``: a stateless meta-device copy of the model and
     its members' parameters and buffers stacked along a new leading dim."""
     params, buffers = stack_module_state(models)

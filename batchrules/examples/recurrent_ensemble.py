@@ -18,7 +18,7 @@ runs the members' recurrences as one batched matrix product per time step.
 import argparse
 import copy
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +65,7 @@ def trajectories(count: int, steps: int, generator: torch.Generator) -> Tuple[Te
     return torch.stack(inputs, 1), torch.stack(deltas, 1) * 10.0  # deltas scaled to ~unit size
 
 
-def stack_models(models: List[nn.Module]) -> Tuple[nn.Module, Params, Params]:
+def stack_models(models: Sequence[nn.Module]) -> Tuple[nn.Module, Params, Params]:
     """``(base, params, buffers)``: a meta-device copy and the stacked state."""
     params, buffers = stack_module_state(models)
     return copy.deepcopy(models[0]).to("meta"), params, buffers

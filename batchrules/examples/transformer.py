@@ -85,7 +85,7 @@ def ensemble_train_step(base: nn.Module, params: Params, buffers: Params, x: Ten
 def loop_per_sample_grads(layer: nn.Module, x: Tensor, y: Tensor,
                           padding_mask: Optional[Tensor] = None, causal: bool = False) -> Params:
     """The same gradients from one autograd call per sample."""
-    params = dict(layer.named_parameters())
+    params: Params = dict(layer.named_parameters())
     rows = []
     for i in range(x.shape[0]):
         mask = None if padding_mask is None else padding_mask[i:i + 1]

@@ -13,10 +13,18 @@ import torch
 from torch import Tensor
 
 from ..gemm import clipped_gemm
-from ..rule import (NOT_HANDLED, Factors, Use, autocast_matches, batched, bind, physical,
-                    register)
+from ..rule import (
+    NOT_HANDLED,
+    Factors,
+    autocast_matches,
+    batched,
+    bind,
+    physical,
+    register,
+    register_clipping,
+)
 from ..tape import Tape, tap, weight_for
-from .linear import LinearUse, shared_bias
+from .linear import LinearClipping, LinearUse, shared_bias
 
 
 @register
@@ -57,13 +65,15 @@ class AddmmUse(LinearUse):
         tape.record(use, (flat,), "addmm")
         return batched(tape, out.view(batch, rows, w.shape[1]))
 
-    @staticmethod
-    def weight_sum(a: Tensor, g: Tensor, c: Tensor, g_writable: bool) -> Tensor:
+
+@register_clipping(AddmmUse.kind)
+class AddmmClipping(LinearClipping):
+    """A linear's, with the weight in its transposed layout ``[I, O]``."""
+
+    def weight_sum(self, a: Tensor, g: Tensor, c: Tensor, g_writable: bool) -> Tensor:
         """``sum_i c_i a_i^T g_i`` in the weight's layout ``[I, O]`` (gemm.py)."""
         return clipped_gemm(a, g, c, (False, g_writable))
 
-    @classmethod
-    def factors(cls, uses: List[Use]) -> Factors:
+    def factors(self, uses: List[LinearUse]) -> Factors:
         """In the layout ``[I, O]``: u = input rows, v = output gradient rows."""
-        rows, grads = [u.rows for u in uses], [u.grad for u in uses]  # type: ignore[attr-defined]
-        return Factors.of_rows(rows, grads)  # type: ignore[arg-type]
+        return Factors.of_rows([u.rows for u in uses], [u.grad for u in uses])

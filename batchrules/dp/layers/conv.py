@@ -31,16 +31,29 @@ GEMM at these shapes on the CPU; from 4x4 outputs on, the kernel is the
 faster.
 """
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from types import EllipsisType
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.graph import GradientEdge
 
 from ..cost import chunked, ghost_is_cheaper, pair_norms_sq, sq_norms, transient_per_sample
 from ..gemm import clipped_gemm
-from ..rule import NOT_HANDLED, Factors, Use, autocast_matches, batched, bind, physical, register
+from ..rule import (
+    NOT_HANDLED,
+    Clipping,
+    Factors,
+    Use,
+    autocast_matches,
+    batched,
+    bind,
+    physical,
+    register,
+    register_clipping,
+)
 from ..tape import Param, Tape, tap, weight_for
 from .conv_geometry import explicit_padding, ints, pixel_tap
 from .linear import shared_bias, writable
@@ -67,8 +80,8 @@ class ConvUse(Use):
     padding: Tuple[int, ...]
     dilation: Tuple[int, ...]
     groups: int
-    edge: Any
-    grad: Optional[Tensor] = None  # [B*N, O, *out_spatial]
+    edge: GradientEdge
+    grad: Tensor = field(init=False)  # [B*N, O, *out_spatial]
     kept: Optional[Tensor] = None  # [B, numel]: per-sample weight gradients, when they fit
     # [B, rows, C*k]: few output positions' patches, from the norm to the sum
     few_patches: Optional[Tensor] = None
@@ -76,12 +89,11 @@ class ConvUse(Use):
     def roles(self) -> Dict[Param, str]:
         return {self.weight: "weight", **({self.bias: "bias"} if self.bias is not None else {})}
 
-    def set_grad(self, grad: Optional[Tensor]) -> None:
-        if grad is not None and grad.dim() == 2:  # Note [A convolution over one pixel]
+    def set_grad(self, grad: Tensor) -> None:
+        if grad.dim() == 2:  # Note [A convolution over one pixel]
             grad = grad.view(*grad.shape, *[1] * len(self.stride))
         self.grad = grad
-        if grad is not None:
-            self.input = self.input.to(grad.dtype)  # Note [clipped_grad under autocast]
+        self.input = self.input.to(grad.dtype)  # Note [clipped_grad under autocast]
 
     @property
     def images(self) -> int:  # N
@@ -121,7 +133,8 @@ class ConvUse(Use):
         return t.reshape(b, groups, n * t.shape[3], t.shape[4]) if n > 1 else t.squeeze(2)
 
     def release(self) -> None:
-        self.grad = self.input = self.kept = self.few_patches = None  # type: ignore[assignment]
+        del self.grad, self.input
+        self.kept = self.few_patches = None
 
     def per_sample_grad(self, role: str) -> Tensor:
         every = slice(0, self.samples)
@@ -148,85 +161,6 @@ class ConvUse(Use):
             g, x, weight, None, self.stride, self.padding, self.dilation, False, [0] * dims,
             b * self.groups, [False, True, False])
         return per_sample.reshape(b, -1)  # channels-last (a copy here) for a channels-last input
-
-    @classmethod
-    def factored(cls, uses: List[Use]) -> bool:
-        return len(uses) == 1  # several would need their patches concatenated
-
-    @classmethod
-    def norms_sq(cls, uses: List[Use], bias: Optional[Param]) -> Tensor:
-        """Per-sample ``||weight gradient||^2`` (without the bias'), the cheaper
-        way, in chunks (Note [Convolution norms], Note [Bounded transients]);
-        few output positions: ghost, whole-batch, the patches kept for the sum
-        (Note [Convolutions with few output positions])."""
-        (use,) = uses
-        w = use.weight.value
-        rows, every = use.rows, slice(0, use.samples)
-        in_f, out_f = w[0].numel(), w.shape[0] // use.groups
-        budget = use.input.numel() + use.grad.numel()
-        if ghost_is_cheaper(rows, in_f, out_f):
-            if use.few_positions:
-                use.few_patches = use.patches(every)[:, 0]
-                return pair_norms_sq(use.few_patches, use.grads(every)[:, 0])
-            per_sample = use.groups * (rows * in_f + transient_per_sample(rows, in_f, out_f))
-            return chunked(use.samples, per_sample, budget,
-                           lambda s: pair_norms_sq(use.patches(s), use.grads(s)))
-        if use.samples * w.numel() <= budget:
-            use.kept = use.grouped_grads(every)
-            return sq_norms(use.kept, 1)
-        return chunked(use.samples, w.numel(), budget,
-                       lambda s: sq_norms(use.grouped_grads(s), 1))
-
-    @classmethod
-    def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
-                    owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
-        """``sum_i c_i`` (weight gradient of sample i), and its bias': from the
-        kept per-sample gradients; for few output positions, the GEMM over the
-        patches (Note [Convolutions with few output positions]); else one
-        weight-gradient kernel with c folded into the smaller of input and
-        output gradient (the kernel is bilinear in them; scaling the larger
-        would copy it: small_cnn's first conv has 12x more output gradient than
-        input); g in place when ``writable`` (linear.py)."""
-        (use,) = uses
-        w = use.weight.value.detach()
-        c = coef.to(use.grad.dtype)
-        x, g = use.input, use.grad
-        every = slice(0, use.samples)
-        gemm = use.kept is None and use.few_positions
-        fuse_bias = (bias is not None and use.kept is None and not gemm
-                     and g.numel() <= x.numel())
-        grad_b = None
-        if bias is not None and not fuse_bias:  # sum_i c_i (its bias gradient): one GEMV
-            grad_b = torch.mv(use.per_sample_grad("bias").t(), c)
-        if use.kept is not None:
-            return torch.mv(use.kept.t(), c).view_as(w), grad_b
-        if gemm:  # B,rows,O x B,rows,C*k -> O,C*k
-            patches = use.few_patches if use.few_patches is not None else use.patches(every)[:, 0]
-            grad_w = clipped_gemm(use.grads(every)[:, 0], patches, c, (writable(g, owned), True))
-            return grad_w.view_as(w), grad_b
-        # [B*N, ...] -> [B, N, ...] splits a dim, a view whatever the strides
-        # (a ViT's patch embedding hands back a transposed output gradient).
-        scale = c.view(-1, *[1] * g.dim())
-        if fuse_bias or g.numel() <= x.numel():
-            g_s = g.unflatten(0, (use.samples, -1))
-            g = (g_s.mul_(scale) if writable(g, owned) else g_s * scale).flatten(0, 1)
-        else:
-            x = (x.unflatten(0, (use.samples, -1)) * scale).flatten(0, 1)
-        _, grad_w, fused_b = torch.ops.aten.convolution_backward(
-            g, x, w, [w.shape[0]] if fuse_bias else None, use.stride, use.padding,
-            use.dilation, False, [0] * len(use.stride), use.groups, [False, True, fuse_bias])
-        return grad_w, fused_b if fuse_bias else grad_b
-
-    @classmethod
-    def factors(cls, uses: List[Use]) -> Optional[Factors]:
-        """In the layout ``[O, C*k]``: u = output gradient rows, v = unfolded
-        patches (computed per chunk); one group only (groups would make u block-sparse)."""
-        (use,) = uses
-        if use.groups != 1:
-            return None
-        rows, w = use.rows, use.weight.value
-        return Factors(use.samples, rows, w.shape[0], w[0].numel(), False,
-                       lambda s: (use.grads(s)[:, 0], use.patches(s)[:, 0]), rows * w[0].numel())
 
     @classmethod
     def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -266,7 +200,8 @@ class ConvUse(Use):
         pixel = pixel_tap(tuple(folded.shape[2:]), tuple(w.shape[2:]), stride, padding, dilation)
         if pixel is not None and groups == 1:  # Note [A convolution over one pixel]
             # the tap's [O, C] slice made contiguous once, for the forward's GEMM and the backward's
-            w_tap = w_op[(..., *pixel)].contiguous()
+            index: Tuple[Union[EllipsisType, int], ...] = (..., *pixel)
+            w_tap = w_op[index].contiguous()
             flat = F.linear(folded.flatten(1), w_tap, b_op)  # B*N,C x O,C -> B*N,O
             edge, out = tap(flat), flat.view(*flat.shape, *[1] * dims)
         else:
@@ -278,3 +213,83 @@ class ConvUse(Use):
         if lead:  # per-sample [N, O, *spatial]: vmap cannot query a channels-last layout there
             out = out.contiguous()
         return batched(tape, out.view(batch, *lead, *out.shape[1:]))
+
+
+@register_clipping(ConvUse.kind)
+class ConvClipping(Clipping[ConvUse]):
+    """A convolution's weight and bias, one use at a time."""
+
+    def factored(self, uses: List[ConvUse]) -> bool:
+        return len(uses) == 1  # several would need their patches concatenated
+
+    def norms_sq(self, uses: List[ConvUse], bias: Optional[Param]) -> Tensor:
+        """Per-sample ``||weight gradient||^2`` (without the bias'), the cheaper
+        way, in chunks (Note [Convolution norms], Note [Bounded transients]);
+        few output positions: ghost, whole-batch, the patches kept for the sum
+        (Note [Convolutions with few output positions])."""
+        (use,) = uses
+        w = use.weight.value
+        rows, every = use.rows, slice(0, use.samples)
+        in_f, out_f = w[0].numel(), w.shape[0] // use.groups
+        budget = use.input.numel() + use.grad.numel()
+        if ghost_is_cheaper(rows, in_f, out_f):
+            if use.few_positions:
+                use.few_patches = use.patches(every)[:, 0]
+                return pair_norms_sq(use.few_patches, use.grads(every)[:, 0])
+            per_sample = use.groups * (rows * in_f + transient_per_sample(rows, in_f, out_f))
+            return chunked(use.samples, per_sample, budget,
+                           lambda s: pair_norms_sq(use.patches(s), use.grads(s)))
+        if use.samples * w.numel() <= budget:
+            use.kept = use.grouped_grads(every)
+            return sq_norms(use.kept, 1)
+        return chunked(use.samples, w.numel(), budget,
+                       lambda s: sq_norms(use.grouped_grads(s), 1))
+
+    def clipped_sum(self, uses: List[ConvUse], coef: Tensor, bias: Optional[Param],
+                    owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
+        """``sum_i c_i`` (weight gradient of sample i), and its bias': from the
+        kept per-sample gradients; for few output positions, the GEMM over the
+        patches (Note [Convolutions with few output positions]); else one
+        weight-gradient kernel with c folded into the smaller of input and
+        output gradient (the kernel is bilinear in them; scaling the larger
+        would copy it: small_cnn's first conv has 12x more output gradient than
+        input); g in place when ``writable`` (linear.py)."""
+        (use,) = uses
+        w = use.weight.value.detach()
+        c = coef.to(use.grad.dtype)
+        x, g = use.input, use.grad
+        every = slice(0, use.samples)
+        gemm = use.kept is None and use.few_positions
+        fuse_bias = (bias is not None and use.kept is None and not gemm
+                     and g.numel() <= x.numel())
+        grad_b = None
+        if bias is not None and not fuse_bias:  # sum_i c_i (its bias gradient): one GEMV
+            grad_b = torch.mv(use.per_sample_grad("bias").t(), c)
+        if use.kept is not None:
+            return torch.mv(use.kept.t(), c).view_as(w), grad_b
+        if gemm:  # B,rows,O x B,rows,C*k -> O,C*k
+            patches = use.few_patches if use.few_patches is not None else use.patches(every)[:, 0]
+            grad_w = clipped_gemm(use.grads(every)[:, 0], patches, c, (writable(g, owned), True))
+            return grad_w.view_as(w), grad_b
+        # [B*N, ...] -> [B, N, ...] splits a dim, a view whatever the strides
+        # (a ViT's patch embedding hands back a transposed output gradient).
+        scale = c.view(-1, *[1] * g.dim())
+        if fuse_bias or g.numel() <= x.numel():
+            g_s = g.unflatten(0, (use.samples, -1))
+            g = (g_s.mul_(scale) if writable(g, owned) else g_s * scale).flatten(0, 1)
+        else:
+            x = (x.unflatten(0, (use.samples, -1)) * scale).flatten(0, 1)
+        _, grad_w, fused_b = torch.ops.aten.convolution_backward(
+            g, x, w, [w.shape[0]] if fuse_bias else None, use.stride, use.padding,
+            use.dilation, False, [0] * len(use.stride), use.groups, [False, True, fuse_bias])
+        return grad_w, fused_b if fuse_bias else grad_b
+
+    def factors(self, uses: List[ConvUse]) -> Optional[Factors]:
+        """In the layout ``[O, C*k]``: u = output gradient rows, v = unfolded
+        patches (computed per chunk); one group only (groups would make u block-sparse)."""
+        (use,) = uses
+        if use.groups != 1:
+            return None
+        rows, w = use.rows, use.weight.value
+        return Factors(use.samples, rows, w.shape[0], w[0].numel(), False,
+                       lambda s: (use.grads(s)[:, 0], use.patches(s)[:, 0]), rows * w[0].numel())

@@ -13,15 +13,27 @@ folded into g. For a table also used by another rule (GPT-2's tied lm_head),
 ``factors`` gives u as the indices (Note [Cross terms of tied parameters]).
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.graph import GradientEdge
 
 from ..cost import sq_norms
-from ..rule import NOT_HANDLED, Factors, Use, batched, bind, physical, cat_rows, register
+from ..rule import (
+    NOT_HANDLED,
+    Clipping,
+    Factors,
+    Use,
+    batched,
+    bind,
+    cat_rows,
+    physical,
+    register,
+    register_clipping,
+)
 from ..tape import Param, Tape, tap, weight_for
 
 _EMBEDDING_ARGS = (("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
@@ -40,15 +52,14 @@ class EmbeddingUse(Use):
     indices: Tensor  # [B, T]
     padding_idx: Optional[int]  # in [0, V)
     scale_grad_by_freq: bool
-    edge: Any
-    grad: Optional[Tensor] = None  # [B, T, D]
+    edge: GradientEdge
+    grad: Tensor = field(init=False)  # [B, T, D]
 
     def roles(self) -> Dict[Param, str]:
         return {self.weight: "weight"}
 
-    def set_grad(self, grad: Optional[Tensor]) -> None:
-        if grad is not None:
-            self.grad = grad.view(*self.indices.shape, grad.shape[-1])
+    def set_grad(self, grad: Tensor) -> None:
+        self.grad = grad.view(*self.indices.shape, grad.shape[-1])
 
     def scaled(self, s: slice) -> Tuple[Tensor, Tensor]:
         """Slice ``s``'s indices ``[b, T]`` and row gradients ``[b, T, D]``,
@@ -71,7 +82,7 @@ class EmbeddingUse(Use):
         return (sample * self.weight.value.shape[0] + idx).flatten(), g.flatten(0, 1)
 
     def release(self) -> None:
-        self.grad = self.indices = None  # type: ignore[assignment]
+        del self.grad, self.indices
 
     def per_sample_grad(self, role: str) -> Tensor:
         keys, g = self.keys()
@@ -111,50 +122,52 @@ class EmbeddingUse(Use):
         tape.record(use, (flat,), "embedding")
         return batched(tape, out.view(*idx.shape, w.shape[1]))
 
-    @classmethod
-    def factored(cls, uses: List[Use]) -> bool:
+
+@register_clipping(EmbeddingUse.kind)
+class EmbeddingClipping(Clipping[EmbeddingUse]):
+    """A table's norms from its rows summed per (sample, index); its clipped
+    sum the op's own gradient kernel."""
+
+    def factored(self, uses: List[EmbeddingUse]) -> bool:
         return True  # a table looked up by several calls: their rows concatenated
 
-    @classmethod
-    def norms_sq(cls, uses: List[Use], bias: Optional[Param]) -> Tensor:
+    def norms_sq(self, uses: List[EmbeddingUse], bias: Optional[Param]) -> Tensor:
         """Per-sample squared norms: rows summed per (sample, index), squared, summed per sample."""
         keys, g = _all_keys(uses)
         unique, inverse = torch.unique(keys, return_inverse=True)
         summed = g.new_zeros(unique.shape[0], g.shape[1]).index_add_(0, inverse, g)
         per_row = sq_norms(summed, 1)
-        vocab = uses[0].weight.value.shape[0]  # type: ignore[attr-defined]
-        batch = uses[0].indices.shape[0]  # type: ignore[attr-defined]
+        vocab = uses[0].weight.value.shape[0]
+        batch = uses[0].indices.shape[0]
         return per_row.new_zeros(batch).index_add_(0, unique // vocab, per_row)
 
-    @classmethod
-    def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
+    def clipped_sum(self, uses: List[EmbeddingUse], coef: Tensor, bias: Optional[Param],
                     owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
         """``sum_i c_i`` (table gradient of sample i) in one embedding_dense_backward."""
         idx, g = _scaled_rows(uses, slice(0, coef.shape[0]))
         scaled = g * coef.to(g.dtype).view(-1, 1, 1)  # b,T,D x b,1,1 -> b,T,D
-        vocab = uses[0].weight.value.shape[0]  # type: ignore[attr-defined]
+        vocab = uses[0].weight.value.shape[0]
         return torch.ops.aten.embedding_dense_backward(scaled.flatten(0, 1), idx.flatten(), vocab,
                                                        -1, False), None
 
-    @classmethod
-    def factors(cls, uses: List[Use]) -> Factors:
+    def factors(self, uses: List[EmbeddingUse]) -> Factors:
         """In the layout ``[V, D]``: u = one-hot of the index (given as the
         indices), v = the row's gradient (``scaled``: at most a copy per chunk)."""
-        vocab, dim = uses[0].weight.value.shape  # type: ignore[attr-defined]
-        shapes = [u.indices.shape for u in uses]  # type: ignore[attr-defined]
+        vocab, dim = uses[0].weight.value.shape
+        shapes = [u.indices.shape for u in uses]
         batch, rows = shapes[0][0], sum(shape[1] for shape in shapes)
         return Factors(batch, rows, vocab, dim, True, lambda s: _scaled_rows(uses, s), rows * dim)
 
 
-def _scaled_rows(uses: List[Use], s: slice) -> Tuple[Tensor, Tensor]:
+def _scaled_rows(uses: List[EmbeddingUse], s: slice) -> Tuple[Tensor, Tensor]:
     """Slice ``s`` of every use's indices and row gradients (``scaled``), their rows concatenated."""
-    parts = [u.scaled(s) for u in uses]  # type: ignore[attr-defined]
+    parts = [u.scaled(s) for u in uses]
     return cat_rows([i for i, _ in parts]), cat_rows([g for _, g in parts])
 
 
-def _all_keys(uses: List[Use]) -> Tuple[Tensor, Tensor]:
+def _all_keys(uses: List[EmbeddingUse]) -> Tuple[Tensor, Tensor]:
     """Keys and rows of every use of one table (a sum over uses is a sum over their rows)."""
-    pairs = [u.keys() for u in uses]  # type: ignore[attr-defined]
+    pairs = [u.keys() for u in uses]
     if len(pairs) == 1:
         return pairs[0]
     return torch.cat([k for k, _ in pairs]), torch.cat([g for _, g in pairs])

@@ -24,16 +24,16 @@ policy (float32 on CUDA, the input's on the CPU), which ``native_layer_norm``
 does not share.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.graph import GradientEdge
 
 from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
 from ..tape import Param, Tape, tap, weight_for
-
 
 _LAYER_NORM_ARGS = (("input", "normalized_shape", "weight", "bias", "eps"), (None, None, 1e-5))
 
@@ -48,31 +48,31 @@ class LayerNormUse(Use):
     weight: Optional[Param]
     bias: Optional[Param]
     rows: Tensor  # [B, T, *shape], T rows per sample: the input, or x_hat where mean is None
-    edge: Any
+    edge: GradientEdge
     mean: Optional[Tensor] = None  # [B, T, 1, ...]: with rstd, x_hat = (rows - mean) * rstd
     rstd: Optional[Tensor] = None
-    grad: Optional[Tensor] = None  # [B, T, *shape]
+    grad: Tensor = field(init=False)  # [B, T, *shape]
 
     def roles(self) -> Dict[Param, str]:
         return {p: role for p, role in ((self.weight, "weight"), (self.bias, "bias")) if p is not None}
 
-    def set_grad(self, grad: Optional[Tensor]) -> None:
-        if grad is not None:
-            # [B, *lead, *shape] -> [B, T, *shape]: merges the leading dims, a
-            # copy when they are not contiguous (a pre-norm residual's gradient).
-            self.grad = grad.reshape(self.rows.shape)
-            if self.mean is None:  # x_hat under autocast: Note [clipped_grad under autocast]
-                self.rows = self.rows.to(grad.dtype)
+    def set_grad(self, grad: Tensor) -> None:
+        # [B, *lead, *shape] -> [B, T, *shape]: merges the leading dims, a
+        # copy when they are not contiguous (a pre-norm residual's gradient).
+        self.grad = grad.reshape(self.rows.shape)
+        if self.mean is None:  # x_hat under autocast: Note [clipped_grad under autocast]
+            self.rows = self.rows.to(grad.dtype)
 
     def per_sample_grad(self, role: str) -> Tensor:
         if role == "bias":
             return self.grad.sum(1)
-        if self.mean is None:
+        if self.mean is None or self.rstd is None:
             return (self.grad * self.rows).sum(1)
         return (self.rows - self.mean).mul_(self.rstd).mul_(self.grad).sum(1)  # one temporary
 
     def release(self) -> None:
-        self.grad = self.rows = self.mean = self.rstd = None  # type: ignore[assignment]
+        del self.grad, self.rows
+        self.mean = self.rstd = None
 
     @classmethod
     def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -100,7 +100,8 @@ class LayerNormUse(Use):
                 out = normalized * weight_for(w, needs)
             else:
                 out = torch.addcmul(b.detach(), normalized, weight_for(w, needs))
-            use, recorded = cls(weight, bias, normalized.detach().view(*lead, *shape), tap(out)), ()
+            use = cls(weight, bias, normalized.detach().view(*lead, *shape), tap(out))
+            recorded: Tuple[Tensor, ...] = ()
         else:  # Note [LayerNorm's own kernel, x_hat from what its node saves]
             w_op = None if w is None else weight_for(w, needs)
             b_op = None if b is None else b.detach() if w is not None else weight_for(b, needs)

@@ -8,17 +8,29 @@ is one GEMM over all rows with c folded into the narrower of g and a
 (gemm.py).
 """
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.graph import GradientEdge
 
 from ..._compat import batched_level
 from ..cost import rows_norms_sq
 from ..gemm import clipped_gemm
-from ..rule import NOT_HANDLED, Factors, Use, autocast_matches, batched, bind, physical, register
+from ..rule import (
+    NOT_HANDLED,
+    Clipping,
+    Factors,
+    Use,
+    autocast_matches,
+    batched,
+    bind,
+    physical,
+    register,
+    register_clipping,
+)
 from ..tape import Param, Tape, tap, weight_for
 
 _LINEAR_ARGS = (("input", "weight", "bias"), (None,))
@@ -30,15 +42,15 @@ class LinearUse(Use):
     """``F.linear(x, W, b)`` with ``W`` a parameter, at clipped_grad's level."""
 
     # batchrules.linear under a mode takes its torch.ops entry
-    functions = (F.linear, torch.ops.batchrules.linear.default, torch.ops.batchrules.linear)
+    functions: ClassVar[Tuple[Callable[..., Any], ...]] = (
+        F.linear, torch.ops.batchrules.linear.default, torch.ops.batchrules.linear)
     kind = "linear"
-    norms_include_bias = True
 
     weight: Param
     bias: Optional[Param]
     rows: Tensor  # [B, T, I]
-    edge: Any
-    grad: Optional[Tensor] = None  # [B, T, O]
+    edge: GradientEdge
+    grad: Tensor = field(init=False)  # [B, T, O]
     grad_row_sum: Optional[Tensor] = None  # [B, O]: the bias' per-sample gradient, once formed
     # The grad_partners' rows side by side, [B, T, sum of widths], where the
     # rule wrote them so (the joint norm's rows without a concatenated copy).
@@ -47,10 +59,9 @@ class LinearUse(Use):
     def roles(self) -> Dict[Param, str]:
         return {self.weight: "weight", **({self.bias: "bias"} if self.bias is not None else {})}
 
-    def set_grad(self, grad: Optional[Tensor]) -> None:
-        if grad is not None:
-            self.grad = grad.view(self.rows.shape[0], self.rows.shape[1], grad.shape[-1])
-            self.rows = self.rows.to(grad.dtype)  # Note [clipped_grad under autocast]
+    def set_grad(self, grad: Tensor) -> None:
+        self.grad = grad.view(self.rows.shape[0], self.rows.shape[1], grad.shape[-1])
+        self.rows = self.rows.to(grad.dtype)  # Note [clipped_grad under autocast]
 
     def per_sample_grad(self, role: str) -> Tensor:
         if role == "bias":
@@ -58,7 +69,7 @@ class LinearUse(Use):
         return torch.bmm(self.grad.transpose(1, 2), self.rows)  # B,O,T x B,T,I -> B,O,I
 
     def release(self) -> None:
-        self.grad = self.rows = None  # type: ignore[assignment]
+        del self.grad, self.rows
         self.grad_row_sum = self.partner_rows = None
         self.grad_partners = None  # a cycle through the partners' list
 
@@ -76,18 +87,24 @@ class LinearUse(Use):
                 f"clipped_grad: F.linear with weight {weight.name} of shape {tuple(w.shape)}: the "
                 f"input's per-sample shape {tuple(x.shape)} has {x.shape[-1]} features, expected "
                 f"{w.shape[1]}")
-        if not ghostable(tape, a, w, b):
+        if a is None or not ghostable(tape, a, w, b):
             return NOT_HANDLED
         batch, lead = a.shape[0], a.shape[1:-1]
         out = recorded_linear(tape, a.reshape(batch * math.prod(lead), a.shape[-1]), batch, w, b)
         return batched(tape, out.view(batch, *lead, w.shape[0]))
 
-    @classmethod
-    def factored(cls, uses: List[Use]) -> bool:
+
+@register_clipping(LinearUse.kind)
+class LinearClipping(Clipping[LinearUse]):
+    """A linear's weight from its uses' rows and output gradients; its fused
+    bias joins the weight's norm."""
+
+    norms_include_bias = True
+
+    def factored(self, uses: List[LinearUse]) -> bool:
         return True  # Note [One parameter, several uses] in clipping.py: one linear over all rows
 
-    @classmethod
-    def norms_sq(cls, uses: List[Use], bias: Optional[Param]) -> Tensor:
+    def norms_sq(self, uses: List[LinearUse], bias: Optional[Param]) -> Tensor:
         """Per-sample squared gradient norms of the weight and ``bias``: the
         bias' gradient ``sum_t g_i,t`` is the weight's of a column of ones,
         so it joins the same norm (``biases``; with one row, ``||g_i||^2
@@ -95,24 +112,22 @@ class LinearUse(Use):
         a, g = all_rows(uses)
         return rows_norms_sq(a, g, biases=int(bias is not None))
 
-    @classmethod
-    def joint_norms_sq(cls, uses: List[Use], biases: List[Optional[Param]]) -> Tensor:
+    def joint_norms_sq(self, uses: List[LinearUse], biases: List[Optional[Param]]) -> Tensor:
         """One ghost norm of the shared gradient g over the uses' rows side by
         side (Note [Weights sharing an output gradient] in clipping.py), each
         fused bias a column of ones among them."""
         g = uses[0].grad
-        side_by_side = uses[0].partner_rows  # type: ignore[attr-defined]
-        rows = (torch.cat([u.rows for u in uses], -1)  # type: ignore[attr-defined]
+        side_by_side = uses[0].partner_rows
+        rows = (torch.cat([u.rows for u in uses], -1)
                 if side_by_side is None else side_by_side.to(g.dtype))
         count = sum(b is not None for b in biases)
         if count:  # the partners' clipped sums share one row sum of g for their biases
             shared = bias_grads(uses, g)
             for u in uses:
-                u.grad_row_sum = shared  # type: ignore[attr-defined]
+                u.grad_row_sum = shared
         return rows_norms_sq(rows, g, biases=count)
 
-    @classmethod
-    def clipped_sum(cls, uses: List[Use], coef: Tensor, bias: Optional[Param],
+    def clipped_sum(self, uses: List[LinearUse], coef: Tensor, bias: Optional[Param],
                     owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:
         """The weight's clipped sum in one GEMM (``weight_sum``; c folded into the
         narrower of a and g, into g in place when ``writable``) and the bias'
@@ -121,36 +136,32 @@ class LinearUse(Use):
         c = coef.to(g.dtype)
         grad_b = torch.mv(bias_grads(uses, g).t(), c) if bias is not None else None
         in_place = len(uses) > 1 or writable(g, owned)  # several uses: g is a concatenated copy
-        return cls.weight_sum(a, g, c, in_place), grad_b
+        return self.weight_sum(a, g, c, in_place), grad_b
 
-    @staticmethod
-    def weight_sum(a: Tensor, g: Tensor, c: Tensor, g_writable: bool) -> Tensor:
+    def weight_sum(self, a: Tensor, g: Tensor, c: Tensor, g_writable: bool) -> Tensor:
         """``sum_i c_i g_i^T a_i`` in the weight's layout ``[O, I]`` (gemm.py)."""
         return clipped_gemm(g, a, c, (g_writable, False))
 
-    @classmethod
-    def factors(cls, uses: List[Use]) -> Factors:
+    def factors(self, uses: List[LinearUse]) -> Factors:
         """In the layout ``[O, I]``: u = output gradient rows, v = input rows."""
-        rows, grads = [u.rows for u in uses], [u.grad for u in uses]  # type: ignore[attr-defined]
-        return Factors.of_rows(grads, rows)  # type: ignore[arg-type]
+        return Factors.of_rows([u.grad for u in uses], [u.rows for u in uses])
 
 
-def all_rows(uses: List[Use]) -> Tuple[Tensor, Tensor]:
+def all_rows(uses: List[LinearUse]) -> Tuple[Tensor, Tensor]:
     """All uses' rows ``[B, T, I]`` and gradients ``[B, T, O]`` (Note [One
     parameter, several uses]: a sum over uses is a sum over their rows)."""
     if len(uses) == 1:
-        return uses[0].rows, uses[0].grad  # type: ignore[attr-defined, return-value]
-    return (torch.cat([u.rows for u in uses], 1),  # type: ignore[attr-defined]
-            torch.cat([u.grad for u in uses], 1))  # type: ignore[misc]
+        return uses[0].rows, uses[0].grad
+    return torch.cat([u.rows for u in uses], 1), torch.cat([u.grad for u in uses], 1)
 
 
-def bias_grads(uses: List[Use], g: Tensor) -> Tensor:
+def bias_grads(uses: List[LinearUse], g: Tensor) -> Tensor:
     """``sum_t g_i,t``: ``[B, O]``, the fused bias' per-sample gradients, formed
     once for its norm and its clipped sum (kept on the first use)."""
     first = uses[0]
-    if first.grad_row_sum is None:  # type: ignore[attr-defined]
-        first.grad_row_sum = g.sum(1)  # type: ignore[attr-defined]
-    return first.grad_row_sum  # type: ignore[attr-defined]
+    if first.grad_row_sum is None:
+        first.grad_row_sum = g.sum(1)
+    return first.grad_row_sum
 
 
 def writable(g: Tensor, owned: Callable[[Tensor], bool]) -> bool:
@@ -165,12 +176,12 @@ def shared_bias(tape: Tape, b: Any) -> bool:
     return b is None or (isinstance(b, Tensor) and tape.param(b) is None and batched_level(b) == -1)
 
 
-def ghostable(tape: Tape, a: Optional[Tensor], w: Any, b: Any) -> bool:
+def ghostable(tape: Tape, a: Tensor, w: Any, b: Any) -> bool:
     """Whether ``F.linear`` of the physical input ``a`` can run as a recorded
     use: ``w`` a 2-D parameter matching ``a``, ``b`` a matching parameter or
     a tensor shared by all samples (anything else takes the generic path,
     whose op then reports mismatches in per-sample shapes)."""
-    if (a is None or tape.param(w) is None or w.dim() != 2 or a.dim() < 2
+    if (tape.param(w) is None or w.dim() != 2 or a.dim() < 2
             or a.shape[-1] != w.shape[1] or not autocast_matches(a, w) or a.device != w.device):
         return False
     if tape.param(b) is not None:
@@ -191,8 +202,11 @@ def linear_use(tape: Tape, rows: Tensor, batch: int, w: Tensor, b: Optional[Tens
     output leaves out the parameter ``b``, which the caller adds to it later
     (the use still has it as its bias)."""
     weight, bias = tape.param(w), tape.param(b)
+    assert weight is not None  # the callers' ghostable
     w_op = weight_for(w, rows.requires_grad or (b is not None and bias is None and b.requires_grad))
-    out = F.linear(rows, w_op, (b.detach() if add_bias else None) if bias is not None else b)
+    if b is not None and bias is not None:  # a parameter: detached, or added by the caller
+        b = b.detach() if add_bias else None
+    out = F.linear(rows, w_op, b)
     per_sample = rows.shape[0] // batch if batch else 0
     use = LinearUse(weight, bias, rows.view(batch, per_sample, rows.shape[-1]), tap(out))
     tape.record(use, (rows,), "linear")

@@ -41,8 +41,8 @@ class HiddenUse(LinearUse):
 
     reset: Optional[Tensor] = None  # GRU: r, [B, T*N, H]
 
-    def set_grad(self, grad: Optional[Tensor]) -> None:
-        if grad is not None and self.reset is not None:
+    def set_grad(self, grad: Tensor) -> None:
+        if self.reset is not None:
             hidden = self.reset.shape[-1]
             g = grad.view(*self.reset.shape[:2], -1)
             grad = torch.cat([g[..., :2 * hidden], g[..., 2 * hidden:] * self.reset], -1)
@@ -73,7 +73,7 @@ def _layer(tape: Tape, a: Tensor, h0: Tensor, c0: Optional[Tensor], w: Sequence[
     gates, input_use = linear_use(tape, a.reshape(-1, width), batch, w_ih, b_ih,
                                   add_bias=not shared_g)  # B*T*N, G*H
     b_step = None if b_hh is None else b_hh.detach()
-    if shared_g and b_step is not None:
+    if shared_g and b_step is not None and b_ih is not None:  # b_ih and b_hh come together
         b_step = b_step + b_ih.detach()
     # B,T,N,GH -> T,B*N,GH: every sample's rows in one recurrence, in the
     # state's dtype (see Note [Recurrent layers under autocast])
@@ -101,8 +101,10 @@ def _layer(tape: Tape, a: Tensor, h0: Tensor, c0: Optional[Tensor], w: Sequence[
     if mode == 1:
         reset = saved.view(steps, batch, rows, -1)[..., :hidden].transpose(0, 1)
         reset = reset.reshape(batch, steps * rows, hidden)
-    use = HiddenUse(tape.param(w_hh), tape.param(b_hh), prev.reshape(batch, -1, hidden),
-                    tap(gates), reset=reset)
+    weight = tape.param(w_hh)
+    assert weight is not None  # _handled
+    use = HiddenUse(weight, tape.param(b_hh), prev.reshape(batch, -1, hidden), tap(gates),
+                    reset=reset)
     tape.record(use, (), "recurrence")
     if shared_g:  # Note [Weights sharing an output gradient] in clipping.py
         input_use.grad_partners = use.grad_partners = [input_use, use]
@@ -143,7 +145,7 @@ class RecurrentLayerRule(Rule):
         h0, c0 = (hx[0], hx[1]) if lstm else (hx, None)
         a, hp = physical(tape, x), physical(tape, h0)
         cp = physical(tape, c0) if lstm else None
-        if (a is None or hp is None or (lstm and (cp is None or h0.shape[-1] != c0.shape[-1]))
+        if (a is None or hp is None or (lstm and (cp is None or hp.shape[-1] != cp.shape[-1]))
                 or a.dim() != 4 or not _handled(tape, a, params)):
             return NOT_HANDLED
         if batch_first:
@@ -155,7 +157,7 @@ class RecurrentLayerRule(Rule):
         per_layer = 4 if has_biases else 2
         directions = 2 if bidirectional else 1
         h_n: List[Tensor] = []
-        c_n: List[Optional[Tensor]] = []
+        c_n: List[Tensor] = []  # an LSTM's
         for layer in range(layers):
             outs = []
             for d in range(directions):
@@ -164,13 +166,14 @@ class RecurrentLayerRule(Rule):
                                    params[i * per_layer:(i + 1) * per_layer], cls.mode, d == 1)
                 outs.append(out)
                 h_n.append(h)
-                c_n.append(c)
+                if c is not None:
+                    c_n.append(c)
             a = torch.cat(outs, -1) if directions == 2 else outs[0]
             if dropout > 0 and train and layer + 1 < layers:
                 a = F.dropout(a, dropout, True)  # each sample its own mask
         out = a.transpose(1, 2) if batch_first else a
         result = (batched(tape, out), batched(tape, torch.stack(h_n, 1)))
-        return result + (batched(tape, torch.stack(c_n, 1)),) if lstm else result  # type: ignore
+        return result + (batched(tape, torch.stack(c_n, 1)),) if lstm else result
 
 
 class RecurrentCellRule(Rule):
@@ -193,8 +196,8 @@ class RecurrentCellRule(Rule):
                 or (b_ih is None) != (b_hh is None) or not _handled(tape, a, weights)):
             return NOT_HANDLED
         _, h_new, c_new = _layer(tape, a.unsqueeze(1), hp, cp, weights, cls.mode, False)
-        if lstm:
-            return batched(tape, h_new), batched(tape, c_new)  # type: ignore[arg-type]
+        if c_new is not None:  # an LSTM cell's
+            return batched(tape, h_new), batched(tape, c_new)
         return batched(tape, h_new)
 
 

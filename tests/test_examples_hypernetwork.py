@@ -8,8 +8,7 @@ import torch
 from torch import Tensor
 
 import batchrules
-from batchrules.examples.hypernetwork import (HyperNet, MainNet, forward, per_sample_grads,
-                                              sample_loss)
+from batchrules.examples.hypernetwork import HyperNet, MainNet, forward, per_sample_grads, sample_loss
 from batchrules.examples.inspect_routing import batchrules_op_counts
 
 BATCH, COND, IN, HIDDEN, CLASSES = 6, 4, 5, 3, 4

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import batchrules
-from batchrules.examples.ensembling import (ensemble_forward, ensemble_train_step, make_mlp,
-                                            stack_models)
+from batchrules.examples.ensembling import ensemble_forward, ensemble_train_step, make_mlp, stack_models
 from batchrules.examples.inspect_routing import batchrules_op_counts
 
 N_MODELS, BATCH, IN, HIDDEN, CLASSES = 3, 5, 4, 6, 3

@@ -11,12 +11,12 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 import torch.nn.functional as F
+from routing_transforms import REVERSE_MODE, X, transforms
 from torch import Tensor, nn
 from torch.func import grad, vmap
 
 import batchrules
 from batchrules.examples.inspect_routing import batchrules_op_counts
-from routing_transforms import REVERSE_MODE, X, transforms
 
 # Where the imported batchrules lives (checkout or site-packages): subprocesses
 # run there so that they import the same build.

@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 import torch
+from batching_profile import ran_kernels
 from torch.func import grad, jacfwd, vjp, vmap
 
 import batchrules
-from batching_profile import ran_kernels
 
 pytestmark = pytest.mark.usefixtures("no_vmap_fallback")
 

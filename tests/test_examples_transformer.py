@@ -7,6 +7,7 @@ from typing import Dict, Optional
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_close
 from torch import Tensor
 from torch.func import functional_call, grad, vmap
 
@@ -18,12 +19,6 @@ pytestmark = pytest.mark.usefixtures("routing_on", "no_vmap_fallback")
 Params = Dict[str, Tensor]
 BATCH, SEQ = 4, 12
 MEMBERS, ENS_BATCH, ENS_SEQ, D_MODEL, NHEAD = 4, 3, 32, 64, 4
-
-
-def assert_params_close(got: Params, want: Params) -> None:
-    assert got.keys() == want.keys()
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], msg=lambda m: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("mask", ["none", "padding", "causal"])
@@ -39,7 +34,7 @@ def test_per_sample_grads(mask: str) -> None:
     causal = mask == "causal"
     got = transformer.per_sample_grads(layer, params, x, y, padding, causal)
     want = transformer.loop_per_sample_grads(layer, x, y, padding, causal)
-    assert_params_close(got, want)
+    assert_close(got, want)
 
 
 def make_ensemble():
@@ -68,7 +63,7 @@ def test_ensemble_training_grads() -> None:
     per_member = [torch.autograd.grad(F.mse_loss(layer(x[m]), y[m]), list(layer.parameters()))
                   for m, layer in enumerate(layers)]
     names = [k for k, _ in layers[0].named_parameters()]
-    assert_params_close(got, {k: torch.stack(col) for k, col in zip(names, zip(*per_member))})
+    assert_close(got, {k: torch.stack(col) for k, col in zip(names, zip(*per_member))})
 
 
 def test_ensemble_train_step_runs_without_fallback() -> None:

@@ -13,8 +13,14 @@ from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
 import batchrules
-from batchrules.examples.mbpo_ensemble import (BOUND_REG, Ensemble, GaussianDynamics, bootstrap,
-                                               gaussian_nll, main)
+from batchrules.examples.mbpo_ensemble import (
+    BOUND_REG,
+    Ensemble,
+    GaussianDynamics,
+    bootstrap,
+    gaussian_nll,
+    main,
+)
 
 MEMBERS, OBS, ACT, HIDDEN, LAYERS, BATCH, STEPS = 7, 3, 2, 8, 3, 5, 3
 LR = 1e-2

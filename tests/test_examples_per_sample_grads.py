@@ -10,8 +10,13 @@ from torch import Tensor, nn
 
 import batchrules
 from batchrules.examples.inspect_routing import batchrules_op_counts
-from batchrules.examples.per_sample_grads import (clipped_sum, dp_sgd_step, make_conv_net,
-                                                  make_mlp, per_sample_grads)
+from batchrules.examples.per_sample_grads import (
+    clipped_sum,
+    dp_sgd_step,
+    make_conv_net,
+    make_mlp,
+    per_sample_grads,
+)
 
 BATCH, CLASSES = 6, 10
 Params = Dict[str, Tensor]
