@@ -217,24 +217,6 @@ def test_peak_memory_counts_live_result() -> None:
     assert peak >= 4 << 18
 
 
-def test_breakdown_runs_every_layer() -> None:
-    """``python -m batchrules.bench.breakdown`` times every layer of its steps."""
-    import batchrules
-    from batchrules.bench import breakdown
-    from batchrules.bench.models import MlpSpec
-    from batchrules.bench.timing import TimingPlan
-
-    plan = TimingPlan(block_s=0.001, budget_s=0.05, min_repeats=3, max_repeats=3, warmup_calls=1)
-    steps = (("fwd", 2, MlpSpec((4, 6, 3)), 5, False),
-             ("train", 2, MlpSpec((4, 6, 3), "silu"), 5, True))
-    with batchrules.enabled():
-        lines = breakdown.run(steps, plan)
-    text = "\n".join(lines)
-    for layer in ("vmap identity", "+ functional_call", "vmap(grad) trivial", "direct F.linear",
-                  "user code", "limit", "SiLU backward per step"):
-        assert layer in text, text
-
-
 # ---- compiled twins -------------------------------------------------------------
 
 def test_fresh_function_has_its_own_code_object() -> None:

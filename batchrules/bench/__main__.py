@@ -1,15 +1,16 @@
-"""CLI: ``python -m batchrules.bench [--quick|--full|--smoke] [--device cuda]
-[--only NAME] [--compiled|--no-compiled] [--json PATH] [--plot PATH.png]``. See ``--help``."""
+"""CLI of ``python -m batchrules.bench``; see ``--help`` and the package's docstring."""
 import argparse
 import contextlib
 import dataclasses
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 import torch
 
+from . import distributed, gpu_check
 from .baselines.opacus_variants import opacus_missing_reason
 from .case import TIERS
 from .compiled import compile_failure, private_inductor_cache, warm_up_compiler
@@ -38,7 +39,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         prog="python -m batchrules.bench",
         description="batchrules vs stock torch.func, Opacus and hand-written code. By default one "
                     "row per workload (ensembles, per-sample gradients, a hypernetwork, the DP step, "
-                    "the training-step ops), eager only: about a minute.",
+                    "the training-step ops), eager only: about 40 s.",
     )
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="mode", action="store_const", const="quick",
@@ -66,7 +67,14 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="timing budget per case (overrides the mode's; repeats stay within its bounds)")
     p.add_argument("--json", metavar="PATH", help="write every number and machine info as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="draw speedup bars per case (needs matplotlib)")
-    p.add_argument("--list", action="store_true", help="list the cases of the mode and exit")
+    job = p.add_mutually_exclusive_group()
+    job.add_argument("--list", action="store_true", help="list the cases of the mode and exit")
+    job.add_argument("--distributed", action="store_true",
+                     help="instead of the cases: the DP step under DDP and FSDP2 on 2 gloo ranks against "
+                          "the non-private step, time and per-rank memory (with --smoke: tiny sizes)")
+    job.add_argument("--gpu-check", metavar="OUT_DIR", type=Path,
+                     help="instead of the cases, on a GPU machine: the CUDA tests and the headline bench "
+                          "on cuda, logs and summary.json in OUT_DIR (under 4 minutes)")
     return p.parse_args(argv)
 
 
@@ -78,6 +86,10 @@ def compiled_tiers(mode: str, compiled: Optional[bool]) -> Sequence[str]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    if args.distributed:
+        return distributed.main(args.mode == "smoke", args.steady_malloc)
+    if args.gpu_check:
+        return gpu_check.main(args.gpu_check)
     cases = all_cases(args.mode)
     if args.only:
         cases = [c for c in cases if any(o in c.name for o in args.only)]

@@ -1,39 +1,33 @@
-"""The DP step on 2 gloo ranks, DDP and FSDP2, against the non-private step
-under the same wrapper: ``python -m batchrules.bench.distributed [--smoke]``.
+"""``python -m batchrules.bench --distributed [--smoke]``: the DP step on 2 gloo
+ranks, under DDP and FSDP2, against the non-private step under the same wrapper.
 
-A separate entry point, not a scenario: the bench's runner checks and times
-a variant as a closure in its own process, while these steps are collectives
-between processes that must run the same steps in the same order.
+A job of its own, not a scenario: the runner checks and times a variant as a
+closure in its own process, while these steps are collectives between processes
+that must run the same steps in the same order.
 
 Each rank (1 thread) holds the example's transformer (``examples/dp_sgd.py``,
-float32) and its share of a fixed batch; per wrapper it alternates the two
-steps (a barrier before each, so the ranks start together) and reports the
-median of each step's time and, from five more steps run under the
-profiler, the least of their peak memory (``memory.peak_extra_bytes``:
-torch's CPU allocator records under the profiler, tensor storage allocated
-beyond what was live before the step; not RSS; see ``_measure`` for why the
-least). As in the main bench, the two steps alternate in rounds whose order
-rotates, the garbage collector is off while they are timed, and the time
-ratio is the median of the rounds' paired ratios (a miss whose threshold
-lies within their interquartile range is "noise"): the VM's speed drifts
-between rounds (one step 14 to 20 ms minutes apart), not within one.
+float32) and its share of a fixed batch; per wrapper it alternates the two steps
+in rounds whose order rotates (a barrier before each step, the garbage collector
+off), as the main bench does (Note [Why interleave]), and reports each step's
+median time, the median and IQR of the rounds' paired dp/np ratios and, from
+steps run under the profiler, the least of their peak memory (``_measure`` says
+why the least).
   DDP   non-private: zero_grad, ``loss.backward()`` through the DDP module,
         SGD step; DP: ``dp_step`` (clipped_grad, the rank's shard of the
         noise, one ``all_reduce_flat``, SGD step).
   FSDP2 non-private: ``loss.backward()`` through the ``fully_shard``-ed
         model, SGD step; DP: ``fsdp_step`` (``unsharded``, clipped_grad, one
         ``reduce_scatter_flat``, each shard's noise, SGD step).
-Targets: each DP step <= 1.3x its wrapper's non-private step; per-rank peak
-memory under FSDP2 <= 1.3x the non-private FSDP2 step's.
+Targets: each DP step <= 1.3x its wrapper's non-private step (a miss whose
+threshold lies within the IQR is "noise"); per-rank peak memory under FSDP2
+<= 1.3x the non-private FSDP2 step's.
 """
-import argparse
 import copy
 import dataclasses
 import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -91,13 +85,10 @@ def _measure(steps: Dict[str, Callable[[], None]], sizes: Sizes) -> Dict[str, Di
     out = {}
     for name, step in steps.items():
         # Readings each after a step of its own kind: a step's peak counts the
-        # previous step's gradients freed during it, so one reading right
-        # after the other kind of step measures that step's leftovers. The
-        # least of them: FSDP's all-gather input buffers (a rank's shard of
-        # each block, 0.76 MiB here) are freed by whichever thread drops gloo's
-        # work object last, at times that vary between steps of either kind,
-        # so a reading holds them through the step or not (profiled: 7.23 or
-        # 7.99 MiB non-private, 8.86 or 9.61 MiB DP).
+        # previous step's gradients freed during it. The least of them: FSDP's
+        # all-gather input buffers are freed by whichever thread drops gloo's
+        # work object last, at times that vary from step to step, so a reading
+        # holds them through the step or not.
         peaks = []
         for _ in range(PEAK_READINGS):
             dist.barrier()
@@ -209,18 +200,9 @@ def table(ranks: List[dict], sizes: Sizes) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m batchrules.bench.distributed",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="smallest sizes, 3 repeats: numbers are noise")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
-    p.add_argument("--steady-malloc", action="store_true",
-                   help="fix glibc's malloc thresholds in each rank (Note [Steady malloc for timing])")
-    args = p.parse_args(argv)
-    sizes = dataclasses.replace(SMOKE if args.smoke else FULL, steady_malloc=args.steady_malloc)
-    print(table(run(sizes, args.timeout), sizes))
-    sys.stdout.flush()
-
-
-if __name__ == "__main__":
-    main()
+def main(smoke: bool = False, steady: bool = False, timeout_s: float = 300.0) -> int:
+    """Runs both wrappers (``smoke``: tiny sizes, 3 repeats: numbers are noise;
+    ``steady``: Note [Steady malloc for timing] in each rank) and prints the table."""
+    sizes = dataclasses.replace(SMOKE if smoke else FULL, steady_malloc=steady)
+    print(table(run(sizes, timeout_s), sizes), flush=True)
+    return 0
