@@ -79,8 +79,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def compiled_tiers(mode: str, compiled: Optional[bool]) -> Sequence[str]:
-    """The tiers that get compiled twins (``compiled``: the --[no-]compiled flag):
-    every tier with --full or --compiled, none otherwise."""
+    """Every tier with --full or --compiled (``compiled``: the --[no-]compiled flag), none otherwise."""
     return TIERS if (mode == "full" if compiled is None else compiled) else ()
 
 
@@ -102,20 +101,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"no case matches --only {args.only}", file=sys.stderr)
         return 2
     device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            print("--device cuda: CUDA is not available in this torch build", file=sys.stderr)
-            return 2
-        # Full fp32 everywhere so every variant is checked at the same precision.
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: CUDA is not available in this torch build", file=sys.stderr)
+        return 2
+    if device.type == "cuda":  # full fp32, so every variant is checked at the same precision
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     load = overloaded()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    elif load is not None:
-        # Multi-threaded torch stalls whenever one of its threads is descheduled:
-        # on an overloaded machine one thread is both faster and steadier.
-        torch.set_num_threads(1)
+    # Multi-threaded torch stalls whenever one of its threads is descheduled:
+    # on an overloaded machine one thread is both faster and steadier.
+    if args.threads or load is not None:
+        torch.set_num_threads(args.threads or 1)
     torch.manual_seed(0)
     # Stock vmap runs SDPA through functorch's per-example fallback and says so on
     # every call; that fallback is what the stock rows measure.
@@ -137,8 +132,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "(its deps are scipy and opt_einsum; check with --dry-run that it leaves torch alone)")
 
     plan = PLANS[args.mode]
-    if args.budget is not None:
-        plan = dataclasses.replace(plan, budget_s=args.budget)
+    plan = plan if args.budget is None else dataclasses.replace(plan, budget_s=args.budget)
     start = time.perf_counter()
     any_compiled = any(c.tier in tiers for c in cases)
     progress = Progress(len(cases) + 1 + int(any_compiled))
@@ -200,8 +194,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             f.write(to_json(results, floor, checks, machine, config, limit_ratios))
         print(f"wrote {args.json}")
     if args.plot:
-        message = plot_speedups(results, args.plot)
-        print(message or f"wrote {args.plot}")
+        print(plot_speedups(results, args.plot) or f"wrote {args.plot}")
     return 0 if ok else 1
 
 

@@ -30,21 +30,17 @@ class CheckResult:
 
 
 def compare(result: Any, reference: Any, rtol: float) -> CheckResult:
-    """Max abs error; acceptable when within ``rtol`` of the reference's magnitude.
-
-    ``ABS_TOL`` only keeps all-zero references meaningful. A single relative bound against the largest reference entry suits GEMM
-    outputs, whose rounding error scales with the magnitude of the sums.
-    """
+    """Max abs error; acceptable within ``rtol`` of the reference's largest entry
+    (GEMM outputs' rounding error scales with the magnitude of the sums;
+    ``ABS_TOL`` only keeps all-zero references meaningful)."""
     got, want = flatten_result(result), flatten_result(reference)
     if len(got) != len(want):
         return CheckResult(float("inf"), 0.0, False, f"{len(got)} outputs, expected {len(want)}")
     err, scale = 0.0, 0.0
     for i, (g, w) in enumerate(zip(got, want)):
         if g.shape != w.shape:
-            return CheckResult(
-                float("inf"), 0.0, False,
-                f"output {i} has shape {tuple(g.shape)}, expected {tuple(w.shape)}",
-            )
+            return CheckResult(float("inf"), 0.0, False,
+                               f"output {i} has shape {tuple(g.shape)}, expected {tuple(w.shape)}")
         w = w.detach().to(device="cpu", dtype=torch.float64)
         err = max(err, (g.detach().to(device="cpu", dtype=torch.float64) - w).abs().max().item())
         scale = max(scale, w.abs().max().item())

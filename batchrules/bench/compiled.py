@@ -3,31 +3,23 @@
 Note [Compiled twins]
 A variant flagged ``user_code=True`` runs the user's own torch.func code. The
 runner adds its twin ``<name>_compiled``: ``torch.compile(fn, fullgraph=True)``
-of the same step (Inductor, default mode), compiled and run under the same
-routing state, entered outside the compiled function. Routing acts while the
-transforms are traced, so the state at compile time is what the compiled code
-keeps; Dynamo does not guard on it and caches compiled code per code object.
-Each twin therefore compiles a fresh copy of the step's code object
-(``fresh_function``): the stock and batchrules twins are two compilations
-even though the eager variants share one function. fullgraph=True means a
-graph break is a failure, reported on the row with its reason, never a
-silently partial compile (whose resumed frames would share cache entries
-across the twins).
+(Inductor) of the same step, compiled and run under the same routing state,
+entered outside the compiled function. Routing acts while the transforms are
+traced, so the compiled code keeps the state it was compiled under; Dynamo
+does not guard on it and caches per code object, so each twin compiles a fresh
+copy of the step's code object (``fresh_function``): the stock and batchrules
+twins are two compilations of one function. A graph break is a failure,
+reported on the row with its reason, never a silently partial compile.
 
 Note [Measuring compile time]
-Compile time is the wall time of a twin's first call (Dynamo tracing,
-AOTAutograd, Inductor code generation and C++/Triton compilation, plus one run
-of the step), synchronised on CUDA, and is excluded from the step timings.
-Every twin compiles from scratch: ``torch.compiler.config.force_disable_caches``
-turns off the FX graph and AOTAutograd caches and gives every Inductor
-compilation an empty kernel cache directory (under a temporary directory the
-bench removes at exit), so neither the user's on-disk cache nor a twin compiled
-earlier in the run is reused. The one-off cost of the first compilation in a
-process (imports, compiler detection) is paid by a warm-up compile before the
-cases and reported on its own. A second call under the ``fail_on_recompile``
-stance checks that the compiled code is reused (the peak-memory run, under
-the profiler, is checked the same way), so no compilation happens while the
-step is timed.
+Compile time is the wall time of a twin's first call (tracing, AOTAutograd,
+code generation and compilation, plus one run of the step), excluded from the
+step timings. Every twin compiles from scratch: caches are disabled
+(``force_disable_caches``) and Inductor's cache directory is a temporary one, so
+neither the user's cache nor an earlier twin is reused. A warm-up compile
+before the cases pays the process's one-off first-compilation cost. A second
+call, and the peak-memory run, under the ``fail_on_recompile`` stance check
+that no compilation happens while the step is timed.
 """
 import contextlib
 import os
@@ -40,12 +32,11 @@ from typing import Any, Callable, ContextManager, Iterator, Tuple, Union
 import torch
 
 from .case import Variant
-
-SUFFIX = "_compiled"
+from .timing import synchronizer
 
 
 def twin_name(name: str) -> str:
-    return name + SUFFIX
+    return name + "_compiled"
 
 
 def fresh_function(fn: Callable[[], Any], tag: str) -> types.FunctionType:
@@ -109,8 +100,7 @@ def warm_up_compiler(device: torch.device) -> float:
     x, w = torch.randn(8, 16, device=device), torch.randn(16, 4, device=device)
     compiled = torch.compile(fresh_function(warm_up, "warm_up"), fullgraph=True)
     step = Variant("warm-up", lambda: compiled(x, w))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    return compile_now(step, sync)[1]
+    return compile_now(step, synchronizer(device))[1]
 
 
 @contextlib.contextmanager

@@ -8,9 +8,6 @@ from .runner import CaseResult, VariantResult
 from .targets import LimitRatios, TargetCheck
 from .timing import Stats
 
-
-# The variants that run the vmapped user code.
-VMAPPED = ("stock", "batchrules")
 STOCK_COMPILED = twin_name("stock")
 
 
@@ -19,18 +16,15 @@ def fmt_time(seconds: Optional[float]) -> str:
         return "-"
     if abs(seconds) < 1e-3:
         return f"{seconds * 1e6:.1f}us"
-    if abs(seconds) < 1.0:
-        return f"{seconds * 1e3:.2f}ms"
-    return f"{seconds:.3f}s"
+    return f"{seconds * 1e3:.2f}ms" if abs(seconds) < 1.0 else f"{seconds:.3f}s"
 
 
 def fmt_bytes(n: Optional[int]) -> str:
     if n is None:
         return "-"
-    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return f"{n}B"
+    scaled = [f"{n / scale:.1f}{unit}" for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10))
+              if n >= scale]
+    return scaled[0] if scaled else f"{n}B"
 
 
 def _median(stats: Optional[Stats]) -> Optional[float]:
@@ -41,9 +35,8 @@ def variant_numbers(result: CaseResult, vr: VariantResult) -> Dict[str, Any]:
     """Every number of one variant, as stored in the JSON record."""
     s, k, c = vr.stats, vr.kernels, vr.check
     median = s.median if s else None
-    # The floor is vmap's: it means something only for the variants that vmap
-    # (and only cases that vmap have one).
-    floor = result.floor.median if result.floor and vr.name in VMAPPED else None
+    # The floor is vmap's: it means something only for the variants that vmap.
+    floor = result.floor.median if result.floor and vr.name in ("stock", "batchrules") else None
     return {
         "median_s": median,
         "q1_s": s.quantile(0.25) if s else None,
@@ -80,19 +73,12 @@ COLUMNS = (
 
 
 def _row(cells: List[str]) -> str:
-    return " ".join(
-        c.ljust(w) if i < 2 else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS))
-    )
+    return " ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS)))
 
 
 def table(results: List[CaseResult]) -> str:
-    """One line per variant: median, spread, ratios, error, kernels, memory.
-
-    ``-floor`` (small sizes only): median minus the case's vmap floor, the
-    part of the time the transform's fixed cost does not explain. Compiled
-    twins add ``vs s.comp`` (time(stock_compiled) / time(twin)) and
-    ``compile`` (seconds of the compiling call, not part of the median).
-    """
+    """One line per variant: median, spread, ratios, error, kernels, memory
+    (the columns are described in the package's docstring)."""
     lines = [_row([name for name, _ in COLUMNS]), "-" * (sum(w for _, w in COLUMNS) + len(COLUMNS))]
     for r in results:
         for i, (name, vr) in enumerate(r.variants.items()):
@@ -115,8 +101,8 @@ def table(results: List[CaseResult]) -> str:
                 f"{n['speedup_vs_stock_compiled']:.2f}x" if n["speedup_vs_stock_compiled"] else "",
                 f"{n['ratio_to_limit']:.2f}" if n["ratio_to_limit"] else "-",
                 err,
-                f"{n['kernels_per_linear_forward']:.1f}" if n["kernels_per_linear_forward"] is not None else "-",
-                str(n["kernels_per_step"]) if n["kernels_per_step"] is not None else "-",
+                "-" if n["kernels_per_linear_forward"] is None else f"{n['kernels_per_linear_forward']:.1f}",
+                "-" if n["kernels_per_step"] is None else str(n["kernels_per_step"]),
                 fmt_bytes(n["peak_extra_bytes"]), above,
                 f"{n['compile_s']:.1f}s" if n["compile_s"] is not None else "",
             ]))
@@ -177,8 +163,7 @@ def targets_text(checks: List[TargetCheck]) -> str:
     for target in dict.fromkeys(c.target for c in checks):
         group = [c for c in checks if c.target == target]
         met = sum(c.verdict == "met" for c in group)
-        noise = sum(c.verdict == "noise" for c in group)
-        skipped = sum(c.verdict == "skipped" for c in group)
+        noise, skipped = (sum(c.verdict == v for c in group) for v in ("noise", "skipped"))
         lines.append(f"{target}: {met}/{len(group) - skipped} met"
                      + (f", {noise} within noise" if noise else "") + (f", {skipped} skipped" if skipped else ""))
         for c in group:
@@ -203,25 +188,18 @@ def to_json(
     machine: Dict[str, Any], config: Dict[str, Any], limit_ratios: Optional[List[LimitRatios]] = None,
 ) -> str:
     floor_s = floor.median if floor else None
-    cases = []
-    for r in results:
-        cases.append({
-            "scenario": r.case.scenario, "size": r.case.size, "tier": r.case.tier,
-            "description": r.case.description, "n_linears": r.case.n_linears, "notes": r.notes,
-            "vmap_floor_s": r.floor.median if r.floor else None,
-            "variants": {name: variant_numbers(r, vr) for name, vr in r.variants.items()},
-        })
-    record = {
-        "machine": machine,
-        "config": config,
+    cases = [{"scenario": r.case.scenario, "size": r.case.size, "tier": r.case.tier,
+              "description": r.case.description, "n_linears": r.case.n_linears, "notes": r.notes,
+              "vmap_floor_s": r.floor.median if r.floor else None,
+              "variants": {name: variant_numbers(r, vr) for name, vr in r.variants.items()}} for r in results]
+    return json.dumps({
+        "machine": machine, "config": config,
         "vmap_floor": {"median_s": floor_s, "iqr_s": floor.iqr if floor else None,
                        "times_s": floor.times if floor else None},
-        "cases": cases,
-        "targets": [asdict(c) for c in checks],
+        "cases": cases, "targets": [asdict(c) for c in checks],
         "compiled_limit_ratios": [asdict(r) for r in limit_ratios or []],
         "all_correct": all_correct(results),
-    }
-    return json.dumps(record, indent=1)
+    }, indent=1)
 
 
 def _acceptable(result: CaseResult, vr: VariantResult) -> bool:

@@ -23,10 +23,14 @@ from torch.func import functional_call, grad, vmap
 
 import batchrules
 
-from ..case import Case, CaseSetup, Variant, vmap_identity
 from ..baselines.dp_bookkeeping import mlp_bookkeeping
-from ..baselines.opacus_variants import (cross_entropy_sum, opacus_clip_variant, opacus_ghost_variant,
-                                         with_opacus)
+from ..baselines.opacus_variants import (
+    cross_entropy_sum,
+    opacus_clip_variant,
+    opacus_ghost_variant,
+    with_opacus,
+)
+from ..case import Case, CaseSetup, Variant, vmap_identity
 from ..models import MlpSpec, cross_entropy, detached_params, in_float64, mlp, small_cnn
 from ..targets import PeakMemory, Speedup, Target
 

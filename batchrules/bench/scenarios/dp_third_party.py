@@ -34,8 +34,16 @@ from ..baselines.opacus_variants import opacus_clip_variant, opacus_ghost_varian
 from ..case import Case, CaseSetup, Variant
 from ..models import in_float64
 from ..targets import PeakMemory, Speedup, Target
-from ..third_party_models import (IMAGE_BATCH, Problem, Size, bert_problem, gpt2_problem, lora_problem,
-                                  resnet18_gn_problem, vit_problem)
+from ..third_party_models import (
+    IMAGE_BATCH,
+    Problem,
+    Size,
+    bert_problem,
+    gpt2_problem,
+    lora_problem,
+    resnet18_gn_problem,
+    vit_problem,
+)
 from .dp_step import MAX_NORM, clip_and_sum
 
 VARIANTS = ("stock", "clipped_grad", "nonprivate", "opacus_hooks", "opacus_ghost")

@@ -7,9 +7,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from ..baselines import hand_written
+from ..baselines.opacus_variants import cross_entropy_sum, opacus_variant, with_opacus
 from ..case import Case, CaseSetup, Variant, vmap_identity
 from ..models import MlpSpec, cross_entropy, detached_params, in_float64, mlp, small_cnn
-from ..baselines.opacus_variants import cross_entropy_sum, opacus_variant, with_opacus
 from ..targets import FASTER_THAN_OPACUS, Target, transform_targets
 
 MLP_SPEC = MlpSpec((784, 512, 512, 10))

@@ -35,7 +35,7 @@ from ..baselines import hand_written_recurrent as hw
 from ..baselines.opacus_variants import cross_entropy_sum, opacus_clip_variant, with_opacus
 from ..case import Case, CaseSetup, Variant, vmap_identity
 from ..models import cross_entropy, detached_params, in_float64, mse, stacked_ensemble
-from ..targets import Speedup, SpeedupOverBest
+from ..targets import Speedup
 from .dp_step import MAX_NORM, loop_reference, summed_reference
 from .per_sample_grads import per_sample_loop
 
@@ -183,7 +183,7 @@ def ensemble_case(kind: str, size: Size, train: bool, tier: str) -> Case:
         f"{step} {size.members} nn.{kind.upper()}({size.in_features}, {size.hidden}), shared input "
         f"[{size.batch}, {size.steps}, {size.in_features}]; stock: per-member functional_call loop "
         "(stock vmap cannot run it)", build,
-        [SpeedupOverBest("RNN ensemble: batchrules >= 0.95x the speed of the faster of loop and limit "
+        [Speedup("RNN ensemble: batchrules >= 0.95x the speed of the faster of loop and limit "
                          "(min(loop, limit) / batchrules >= 0.95)", ("loop", "limit"), "batchrules", 0.95)])
 
 
