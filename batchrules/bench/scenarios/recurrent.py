@@ -22,8 +22,9 @@ Rows and their variants:
       refuses the model, is skipped with its error. Targets: clipped_grad
       <= 1.5x the non-private step, >= 1.5x faster than Opacus.
 """
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -83,21 +84,14 @@ class Size:
         return f"h{self.hidden}"
 
 
-def failure(fn: Callable[[], object]) -> Optional[str]:
-    """None when ``fn()`` runs, else its error in one line."""
+def failure(fn: Callable[[], object], stock: bool = False) -> Optional[str]:
+    """None when ``fn()`` runs (``stock``: with routing off), else its error in one line."""
     try:
-        fn()
+        with batchrules.enabled(False) if stock else contextlib.nullcontext():
+            fn()
     except Exception as exc:  # noqa: BLE001 (any failure is reported)
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return None
-
-
-def _off(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with routing off: stock torch.func."""
-    def run() -> object:
-        with batchrules.enabled(False):
-            return fn()
-    return run
 
 
 def ensemble_case(kind: str, size: Size, train: bool, tier: str) -> Case:
@@ -124,58 +118,44 @@ def ensemble_case(kind: str, size: Size, train: bool, tier: str) -> Case:
         stacked = [params[k].clone().requires_grad_(train) for k in keys]
         per_member = [[t[e].clone().requires_grad_(train) for t in stacked] for e in range(size.members)]
         scale = 1.0 / (size.batch * size.steps * size.hidden)
+        member_grad = grad(member_loss)
 
         def user_code() -> Dict[str, Tensor]:
             return vmapped(*args)
 
-        if train:
-            member_grad = grad(member_loss)
-
-            def stock() -> Dict[str, Tensor]:
-                rows = [member_grad(p, buffers, x, y) for p in member_params]
-                return {k: torch.stack([r[k] for r in rows]) for k in params}
-
-            def limit() -> List[Tensor]:
-                out = hw.ensemble_recurrence(kind, [tuple(stacked)], x)
-                return list(torch.autograd.grad((out - y).square().sum() * scale, stacked))
-
-            def loop() -> List[Tensor]:
-                out = hw.member_loop(kind, per_member, x)
-                flat = [t for ws in per_member for t in ws]
-                grads = torch.autograd.grad((out - y).square().sum() * scale, flat)
-                return [torch.stack(grads[j::len(keys)]) for j in range(len(keys))]
-
-            def reference() -> List[Tensor]:
-                rows = []
-                for m in models:
-                    m64 = in_float64(m)
-                    rows.append(torch.autograd.grad(mse(m64(x64), y64), list(m64.parameters())))
-                return [torch.stack(column) for column in zip(*rows)]
-        else:
-            def stock() -> Tensor:
+        def stock() -> Any:  # stock torch.func's way, vmap being out: a loop over the members
+            if not train:
                 return torch.stack([member(p, buffers, x) for p in member_params])
+            rows = [member_grad(p, buffers, x, y) for p in member_params]
+            return {k: torch.stack([r[k] for r in rows]) for k in params}
 
-            def limit() -> Tensor:
-                return hw.ensemble_recurrence(kind, [tuple(stacked)], x)
+        def limit() -> Any:
+            out = hw.ensemble_recurrence(kind, *stacked, x)
+            return list(torch.autograd.grad((out - y).square().sum() * scale, stacked)) if train else out
 
-            def loop() -> Tensor:
-                return hw.member_loop(kind, per_member, x)
+        def loop() -> Any:
+            out = hw.member_loop(kind, per_member, x)
+            if not train:
+                return out
+            grads = torch.autograd.grad((out - y).square().sum() * scale, [t for ws in per_member for t in ws])
+            return [torch.stack(grads[j::len(keys)]) for j in range(len(keys))]
 
-            def reference() -> Tensor:
+        def reference() -> Any:
+            if not train:
                 return torch.stack([in_float64(m)(x64) for m in models])
+            rows = []
+            for m in models:
+                m64 = in_float64(m)
+                rows.append(torch.autograd.grad(mse(m64(x64), y64), list(m64.parameters())))
+            return [torch.stack(column) for column in zip(*rows)]
 
-        notes = []
-        why = failure(_off(lambda: vmap(member, in_dims=(0, 0, None))(params, buffers, x)))
-        if why is not None:
-            notes.append(f"stock vmap: {why}")
+        why = failure(lambda: vmap(member, in_dims=(0, 0, None))(params, buffers, x), stock=True)
         return CaseSetup(
-            variants=[
-                Variant("stock", stock, routing=False, user_code=True),
-                Variant("batchrules", user_code, routing=True, user_code=True),
-                Variant("limit", limit),
-                Variant("loop", loop),
-            ],
-            reference=reference, notes=notes, floor=vmap_identity(in_dims, args, returned=0))
+            variants=[Variant("stock", stock, routing=False, user_code=True),
+                      Variant("batchrules", user_code, routing=True, user_code=True),
+                      Variant("limit", limit), Variant("loop", loop)],
+            reference=reference, notes=[] if why is None else [f"stock vmap: {why}"],
+            floor=vmap_identity(in_dims, args, returned=0))
 
     step = "vmap(grad(mse)) over" if train else "forward of"
     return Case(
@@ -184,7 +164,7 @@ def ensemble_case(kind: str, size: Size, train: bool, tier: str) -> Case:
         f"[{size.batch}, {size.steps}, {size.in_features}]; stock: per-member functional_call loop "
         "(stock vmap cannot run it)", build,
         [Speedup("RNN ensemble: batchrules >= 0.95x the speed of the faster of loop and limit "
-                         "(min(loop, limit) / batchrules >= 0.95)", ("loop", "limit"), "batchrules", 0.95)])
+                 "(min(loop, limit) / batchrules >= 0.95)", ("loop", "limit"), "batchrules", 0.95)])
 
 
 def per_sample_forward_case(kind: str, size: Size, tier: str) -> Case:
@@ -206,7 +186,7 @@ def per_sample_forward_case(kind: str, size: Size, tier: str) -> Case:
                       Variant("limit", folded)],
             reference=lambda: in_float64(model)(x.cpu().double()),
             floor=vmap_identity((None, 0), (params, x)))
-        why = failure(_off(user_code))
+        why = failure(user_code, stock=True)
         if why is None:
             setup.variants.insert(0, Variant("stock", user_code, routing=False, user_code=True))
         else:
