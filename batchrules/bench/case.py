@@ -61,6 +61,13 @@ class CaseSetup:
     skipped: Dict[str, str] = field(default_factory=dict)
 
 
+def stock_and_batchrules(fn: Callable[[], Any]) -> List[Variant]:
+    """The user's code with routing off ("stock") and on ("batchrules"), each
+    with a compiled twin where twins run."""
+    return [Variant("stock", fn, routing=False, user_code=True),
+            Variant("batchrules", fn, routing=True, user_code=True)]
+
+
 def vmap_identity(in_dims: Sequence[Any], args: Sequence[Any], returned: int = -1) -> Callable[[], Any]:
     """A step that vmaps a function returning its input ``args[returned]``."""
     identity = vmap(lambda *a: a[returned], in_dims=tuple(in_dims))

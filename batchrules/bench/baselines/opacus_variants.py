@@ -1,9 +1,8 @@
 """The Opacus variants: per-sample gradients (GradSampleModule hooks) and DP-SGD clipping."""
-import contextlib
 import copy
 import importlib
 import warnings
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -31,42 +30,31 @@ def with_opacus(setup: CaseSetup, names: Sequence[str], build: Callable[[], List
     return setup
 
 
-@contextlib.contextmanager
-def quiet_input_hooks() -> Iterator[None]:
-    """Opacus' backward hooks fire on module outputs because the input needs no
-    grad, as intended here; torch warns about that on every step."""
+def _hooked_backward(loss: Tensor, params: Iterable[nn.Parameter]) -> List[Tensor]:
+    """``loss.backward()`` through Opacus' hooks, then each parameter's
+    ``grad_sample``, dropped from the parameter so that, as for the other
+    variants, the caller holds the only copy of a step's result. (The hooks fire
+    on module outputs because the input needs no grad, as intended here; torch
+    warns about that on every step.)"""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        yield
-
-
-def release(params: Iterable[nn.Parameter]) -> None:
-    """Drops the parameters' gradients so that, as for the other variants, the
-    caller holds the only copy of a step's result between steps."""
+        loss.backward()
+    grads = []
     for p in params:
-        p.grad_sample = None
-        p.grad = None
+        grads.append(p.grad_sample)
+        p.grad_sample = p.grad = None
+    return grads
 
 
-def opacus_variant(
-    model: nn.Module, x: Tensor, y: Tensor, loss_sum: Callable[[Tensor, Tensor], Tensor]
-) -> Variant:
+def opacus_variant(model: nn.Module, x: Tensor, y: Tensor, loss_sum: Callable[[Tensor, Tensor], Tensor]
+                   ) -> Variant:
     """Per-sample gradients the Opacus way: forward the batch, backward a summed
-    loss, read ``p.grad_sample``. ``loss_sum`` must reduce by sum, so that each
-    sample's gradient is that of its own loss."""
+    loss (each sample's gradient is that of its own loss), read ``p.grad_sample``."""
     from opacus import GradSampleModule
 
     module = GradSampleModule(copy.deepcopy(model), batch_first=True, loss_reduction="sum")
-    params: List[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
-
-    def step() -> List[Tensor]:
-        with quiet_input_hooks():
-            loss_sum(module(x), y).backward()
-        grads = [p.grad_sample for p in params]
-        release(params)
-        return grads
-
-    return Variant("opacus", step)
+    params = [p for p in module.parameters() if p.requires_grad]
+    return Variant("opacus", lambda: _hooked_backward(loss_sum(module(x), y), params))
 
 
 def opacus_encoder_variant(model: nn.Module, seq_first: nn.Module, x: Tensor, y: Tensor) -> Variant:
@@ -93,14 +81,10 @@ def opacus_encoder_variant(model: nn.Module, seq_first: nn.Module, x: Tensor, y:
     x_t, y_t = x.transpose(0, 1), y.transpose(0, 1)  # T, B, d
 
     def step() -> List[Tensor]:
-        with quiet_input_hooks():
-            # per-sample mean squared error, summed: each sample's gradient is its own
-            (module(x_t) - y_t).pow(2).mean(dim=(0, 2)).sum().backward()
-        grads = [torch.cat([w.grad_sample for w in split_w], dim=1),
-                 torch.cat([b.grad_sample for b in split_b], dim=1)]
-        grads += [p.grad_sample for p in ordered]
-        release(module.parameters())
-        return grads
+        # per-sample mean squared error, summed: each sample's gradient is its own
+        w_q, w_k, w_v, b_q, b_k, b_v, *grads = _hooked_backward(
+            (module(x_t) - y_t).pow(2).mean(dim=(0, 2)).sum(), [*split_w, *split_b, *ordered])
+        return [torch.cat([w_q, w_k, w_v], dim=1), torch.cat([b_q, b_k, b_v], dim=1), *grads]
 
     return Variant("opacus", step)
 
@@ -201,14 +185,10 @@ def opacus_clip_variant(
     params = [p for p in module.parameters() if p.requires_grad]
 
     def step() -> List[Tensor]:
-        with quiet_input_hooks():
-            loss_sum(module(x), y).backward()
-        samples = [p.grad_sample for p in params]
+        samples = _hooked_backward(loss_sum(module(x), y), params)
         norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in samples], 1).norm(2, dim=1)
         factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)
-        sums = [torch.einsum("i,i...", factor, g) for g in samples]
-        release(params)
-        return [*to_model_order(sums), norms]
+        return [*to_model_order([torch.einsum("i,i...", factor, g) for g in samples]), norms]
 
     variant.fn = step
     return variant
@@ -241,7 +221,8 @@ def opacus_ghost_variant(
     criterion = DPLossFastGradientClipping(module, optimizer, criterion_sum, loss_reduction="sum")
 
     def step() -> List[Tensor]:
-        with quiet_input_hooks():
+        with warnings.catch_warnings():  # as in _hooked_backward
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
             criterion(module(x), y).backward()
         sums = [p.grad for p in params]
         for p in params:

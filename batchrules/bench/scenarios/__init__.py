@@ -3,8 +3,18 @@ mode (``case.MODES``), each with the targets the scenario sets for it."""
 from typing import List
 
 from ..case import Case
-from . import (dp_bf16, dp_step, dp_third_party, eager, ensembles, hypernetwork, loss_grads, per_sample_grads,
-               recurrent, transformer)
+from . import (
+    dp_bf16,
+    dp_step,
+    dp_third_party,
+    eager,
+    ensembles,
+    hypernetwork,
+    loss_grads,
+    per_sample_grads,
+    recurrent,
+    transformer,
+)
 
 # In the order the table shows them (dp_bf16 and dp_third_party: --full only).
 CASES = (ensembles.cases, per_sample_grads.cases, hypernetwork.cases, eager.linear_cases, transformer.cases,

@@ -8,9 +8,9 @@ from torch.func import functional_call, grad, vmap
 
 from ..baselines import hand_written
 from ..baselines.opacus_variants import cross_entropy_sum, opacus_variant, with_opacus
-from ..case import Case, CaseSetup, Variant, vmap_identity
+from ..case import Case, CaseSetup, Variant, stock_and_batchrules, vmap_identity
 from ..models import MlpSpec, cross_entropy, detached_params, in_float64, mlp, small_cnn
-from ..targets import FASTER_THAN_OPACUS, Target, transform_targets
+from ..targets import FASTER_THAN_OPACUS, transform_targets
 
 MLP_SPEC = MlpSpec((784, 512, 512, 10))
 # (batch, tier, modes)
@@ -31,9 +31,8 @@ def per_sample_loop(model: nn.Module, x: Tensor, y: Tensor) -> List[Tensor]:
     return [torch.stack(g) for g in zip(*grads)]
 
 
-def _psg_setup(
-    model: nn.Module, x: Tensor, y: Tensor, limit: Callable[[Dict[str, Tensor]], List[Tensor]]
-) -> CaseSetup:
+def _psg_setup(model: nn.Module, x: Tensor, y: Tensor,
+               limit: Callable[[Dict[str, Tensor]], List[Tensor]]) -> CaseSetup:
     params = detached_params(model)
 
     def sample_loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
@@ -44,18 +43,10 @@ def _psg_setup(
     def user_code() -> Dict[str, Tensor]:
         return per_sample_grads(params, x, y)
 
-    variants = [
-        Variant("stock", user_code, routing=False, user_code=True),
-        Variant("batchrules", user_code, routing=True, user_code=True),
-        Variant("limit", lambda: limit(params)),
-    ]
-    setup = CaseSetup(variants, reference=lambda: per_sample_loop(model, x, y),
+    setup = CaseSetup([*stock_and_batchrules(user_code), Variant("limit", lambda: limit(params))],
+                      reference=lambda: per_sample_loop(model, x, y),
                       floor=vmap_identity((None, 0, 0), (params, x, y), returned=0))
     return with_opacus(setup, ["opacus"], lambda: [opacus_variant(model, x, y, cross_entropy_sum)])
-
-
-def _targets(tier: str) -> List[Target]:
-    return [*transform_targets(tier), FASTER_THAN_OPACUS]
 
 
 def _mlp_case(batch: int, tier: str) -> Case:
@@ -72,7 +63,7 @@ def _mlp_case(batch: int, tier: str) -> Case:
 
     return Case("psg_mlp", f"b{batch}", tier, MLP_SPEC.n_linears,
                 f"per-sample grads, MLP {MLP_SPEC.sizes}, cross-entropy, batch {batch}", build,
-                _targets(tier))
+                [*transform_targets(tier), FASTER_THAN_OPACUS])
 
 
 def _cnn_case(batch: int, tier: str) -> Case:
@@ -84,11 +75,10 @@ def _cnn_case(batch: int, tier: str) -> Case:
 
     return Case("psg_cnn", f"b{batch}", tier, 2,
                 f"per-sample grads, CNN conv5x16-conv5x32-fc64-fc10 on 28x28, batch {batch}", build,
-                _targets(tier))
+                [*transform_targets(tier), FASTER_THAN_OPACUS])
 
 
 def cases(mode: str) -> List[Case]:
     """Per-sample-gradient cases (MLP, CNN) for a mode."""
-    return [_mlp_case(b, t) for b, t, m in MLP_BATCHES if mode in m] + [
-        _cnn_case(b, t) for b, t, m in CNN_BATCHES if mode in m
-    ]
+    return ([_mlp_case(b, t) for b, t, m in MLP_BATCHES if mode in m]
+            + [_cnn_case(b, t) for b, t, m in CNN_BATCHES if mode in m])

@@ -34,7 +34,7 @@ import batchrules
 
 from ..baselines import hand_written_recurrent as hw
 from ..baselines.opacus_variants import cross_entropy_sum, opacus_clip_variant, with_opacus
-from ..case import Case, CaseSetup, Variant, vmap_identity
+from ..case import Case, CaseSetup, Variant, stock_and_batchrules, vmap_identity
 from ..models import cross_entropy, detached_params, in_float64, mse, stacked_ensemble
 from ..targets import Speedup
 from .dp_step import MAX_NORM, loop_reference, summed_reference
@@ -137,7 +137,8 @@ def ensemble_case(kind: str, size: Size, train: bool, tier: str) -> Case:
             out = hw.member_loop(kind, per_member, x)
             if not train:
                 return out
-            grads = torch.autograd.grad((out - y).square().sum() * scale, [t for ws in per_member for t in ws])
+            flat = [t for ws in per_member for t in ws]
+            grads = torch.autograd.grad((out - y).square().sum() * scale, flat)
             return [torch.stack(grads[j::len(keys)]) for j in range(len(keys))]
 
         def reference() -> Any:
@@ -228,8 +229,7 @@ def per_sample_grads_case(size: Size, tier: str) -> Case:
             return per_sample_grads(params, x, y)
 
         return CaseSetup(
-            variants=[Variant("stock", user_code, routing=False, user_code=True),
-                      Variant("batchrules", user_code, routing=True, user_code=True),
+            variants=[*stock_and_batchrules(user_code),
                       Variant("limit", lambda: hw.lstm_classifier_per_sample_grads(*weights, x, y))],
             reference=lambda: per_sample_loop(model, x, y),
             floor=vmap_identity((None, 0, 0), (params, x, y), returned=0))

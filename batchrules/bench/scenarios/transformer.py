@@ -12,7 +12,7 @@ from torch.func import functional_call, grad, vmap
 
 from ..baselines import hand_written_transformer
 from ..baselines.opacus_variants import opacus_encoder_variant, with_opacus
-from ..case import Case, CaseSetup, Variant, vmap_identity
+from ..case import Case, CaseSetup, Variant, stock_and_batchrules, vmap_identity
 from ..models import detached_params, in_float64, mse, stacked_ensemble
 from ..targets import FASTER_THAN_OPACUS, transform_targets
 
@@ -52,8 +52,7 @@ def _psg_case(batch: int, tier: str) -> Case:
             return list(per_sample_grads(params, x, y).values())
 
         variants = [
-            Variant("stock", user_code, routing=False, user_code=True),
-            Variant("batchrules", user_code, routing=True, user_code=True),
+            *stock_and_batchrules(user_code),
             Variant("limit", lambda: hand_written_transformer.per_sample_grads(params, x, y, NHEAD)),
         ]
         setup = CaseSetup(variants, reference=reference,
@@ -93,8 +92,7 @@ def _ensemble_case(batch: int, tier: str) -> Case:
 
         return CaseSetup(
             variants=[
-                Variant("stock", user_code, routing=False, user_code=True),
-                Variant("batchrules", user_code, routing=True, user_code=True),
+                *stock_and_batchrules(user_code),
                 Variant("limit", lambda: hand_written_transformer.ensemble_grads(params, x, y, NHEAD)),
             ],
             reference=reference,
