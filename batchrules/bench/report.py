@@ -164,8 +164,8 @@ def targets_text(checks: List[TargetCheck]) -> str:
         group = [c for c in checks if c.target == target]
         met = sum(c.verdict == "met" for c in group)
         noise, skipped = (sum(c.verdict == v for c in group) for v in ("noise", "skipped"))
-        lines.append(f"{target}: {met}/{len(group) - skipped} met"
-                     + (f", {noise} within noise" if noise else "") + (f", {skipped} skipped" if skipped else ""))
+        noted = (f", {noise} within noise" if noise else "") + (f", {skipped} skipped" if skipped else "")
+        lines.append(f"{target}: {met}/{len(group) - skipped} met{noted}")
         for c in group:
             if c.verdict == "skipped":
                 lines.append(f"    skipped {c.case:30} {c.detail}")

@@ -144,3 +144,29 @@ def per_sample_weights_forward(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2
     """Two linears with per-sample weights: [B, N, I] -> [B, N, O] as two baddbmm."""
     h = F.silu(torch.baddbmm(b1.unsqueeze(1), x, w1.transpose(1, 2)))
     return torch.baddbmm(b2.unsqueeze(1), h, w2.transpose(1, 2))
+
+
+def mlp_bookkeeping(layers: Sequence[Layer], act: str, x: Tensor, y: Tensor,
+                    max_norm: float) -> Tuple[List[Tensor], Tensor]:
+    """DP-SGD clipping by book-keeping, the DP MLP rows' limit (Bu et al., ICML
+    2023): one forward keeping each layer's input ``a``, one manual backward
+    keeping each layer's output gradient ``g`` (no weight gradient), per-sample
+    norms from the factors (``||g_i||^2 (||a_i||^2 + 1)`` for a layer's weight
+    and bias), then each layer's clipped sum as one GEMM of the scaled g against
+    a. Returns ``([gW0, gb0, gW1, gb1, ...], norms)`` of cross-entropy per sample."""
+    inputs, pre_acts, g = mlp_forward_recorded(layers, act, x, y)
+    grads: List[Tensor] = [g] * len(layers)
+    for i in reversed(range(len(layers))):
+        if i < len(layers) - 1:
+            g = activation_backward(g, pre_acts[i], act)
+        grads[i] = g
+        if i > 0:
+            g = torch.mm(g, layers[i][0])
+    squares = sum(g.square().sum(1) * (a.square().sum(1) + 1) for a, g in zip(inputs, grads))
+    norms = squares.sqrt()
+    coef = (max_norm / (norms + 1e-6)).clamp(max=1.0).unsqueeze(1)
+    sums: List[Tensor] = []
+    for a, g in zip(inputs, grads):
+        scaled = g * coef
+        sums += [torch.mm(scaled.t(), a), scaled.sum(0)]  # B,O x B,I -> O,I
+    return sums, norms
