@@ -32,7 +32,6 @@ class Size:
         return f"l{self.layers}d{self.d}t{self.tokens}_b{self.batch}"
 
 
-
 class LmLoss(nn.Module):
     """Per-sample mean cross-entropy of the next tokens, ``-100`` ignored;
     ``reduction`` "sum" sums the samples', "none" returns them (the protocol
@@ -61,7 +60,6 @@ class Logits(nn.Module):
 
     def forward(self, inputs: Tuple[Tensor, ...]) -> Tensor:
         return self.call(self.model, *inputs)
-
 
 
 class Problem(NamedTuple):
