@@ -31,7 +31,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ from ..dp.gc_pause import paused_gc
 from .case import Variant
 from .machine import steady_malloc
 from .memory import peak_extra_bytes
-from .timing import Stats, paired_ratios
+from .timing import Stats, paired_ratios, verdict
 
 WORLD = 2
 TIME_RATIO = 1.3
@@ -159,17 +159,6 @@ def run(sizes: Sizes = FULL, timeout_s: float = 300.0) -> List[dict]:
         return ranks
 
 
-def _met(ok: bool) -> str:
-    return "met" if ok else "MISSED"
-
-
-def _time_verdict(ratios: Stats) -> str:
-    """The main bench's verdict (targets.py): a miss within the IQR is noise."""
-    if ratios.median <= TIME_RATIO:
-        return "met"
-    return "noise" if ratios.quantile(0.25) <= TIME_RATIO else "MISSED"
-
-
 def table(ranks: List[dict], sizes: Sizes) -> str:
     """Per rank and wrapper: both steps' median time and peak memory, the
     median and IQR of the paired dp/np ratios, and the targets."""
@@ -182,21 +171,19 @@ def table(ranks: List[dict], sizes: Sizes) -> str:
         for rank, result in enumerate(ranks):
             np_, dp = result[wrapper]["nonprivate"], result[wrapper]["dp"]
             ratios = paired_ratios(Stats(dp["times_s"]), Stats(np_["times_s"]))
-            ratio = ratios.median
             iqr = f"{ratios.quantile(0.25):.2f}-{ratios.quantile(0.75):.2f}"
-            notes = [f"time <= {TIME_RATIO}x {_time_verdict(ratios)}"]
-            mem = None
-            if np_["peak_bytes"] and dp["peak_bytes"] is not None:
-                mem = dp["peak_bytes"] / np_["peak_bytes"]
-                if wrapper == "fsdp2":
-                    notes.append(f"memory <= {MEMORY_RATIO}x {_met(mem <= MEMORY_RATIO)}")
-
-            def mib(b: Optional[int]) -> str:
-                return "n/a" if b is None else f"{b / 2**20:.2f}"
+            # timing.verdict for "at most": on the negated ratios
+            time_verdict = verdict(Stats([-r for r in ratios.times]), -TIME_RATIO)
+            notes = [f"time <= {TIME_RATIO}x {time_verdict.replace('missed', 'MISSED')}"]
+            peaks = (np_["peak_bytes"], dp["peak_bytes"])
+            mem = peaks[1] / peaks[0] if peaks[0] and peaks[1] is not None else None
+            if mem is not None and wrapper == "fsdp2":
+                notes.append(f"memory <= {MEMORY_RATIO}x {'met' if mem <= MEMORY_RATIO else 'MISSED'}")
+            mib = ["n/a" if b is None else f"{b / 2**20:.2f}" for b in peaks]
             lines.append(f"{wrapper:8} {rank:>4} {1e3 * statistics.median(np_['times_s']):13.2f} "
-                         f"{1e3 * statistics.median(dp['times_s']):8.2f} {ratio:6.2f} {iqr:>11} "
-                         f"{mib(np_['peak_bytes']):>11} {mib(dp['peak_bytes']):>11} "
-                         f"{'n/a' if mem is None else f'{mem:.2f}':>9}  {'; '.join(notes)}")
+                         f"{1e3 * statistics.median(dp['times_s']):8.2f} {ratios.median:6.2f} {iqr:>11} "
+                         f"{mib[0]:>11} {mib[1]:>11} {'n/a' if mem is None else f'{mem:.2f}':>9}  "
+                         + "; ".join(notes))
     return "\n".join(lines)
 
 
