@@ -2,7 +2,7 @@
 import copy
 import importlib
 import warnings
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -106,7 +106,11 @@ class _ClonedOutput(nn.Module):
         return self.cloned_output_of(x).clone()
 
 
-def _opacus_ready(model: nn.Module) -> Tuple[nn.Module, Callable[[List[Tensor]], List[Tensor]]]:
+Reference = Callable[[nn.Module], List[Tensor]]
+
+
+def _opacus_ready(model: nn.Module, reference_of: Reference
+                  ) -> Tuple[nn.Module, Callable[[List[Tensor]], List[Tensor]], Optional[Callable[[], Any]]]:
     """A copy of the model as an Opacus user trains it: ModuleValidator.fix
     swaps the layers Opacus cannot hook (nn.MultiheadAttention ->
     DPMultiheadAttention, with the same weights, its packed in-projection
@@ -116,7 +120,8 @@ def _opacus_ready(model: nn.Module) -> Tuple[nn.Module, Callable[[List[Tensor]],
     applies ReLU(inplace=True)): in-place activations become out-of-place and
     each GroupNorm's output is cloned. Also returns the map from gradients of
     the copy's trainable parameters to gradients in the model's parameter
-    order (the clones keep the parameter names' order, not their names)."""
+    order (the clones keep the parameter names' order, not their names), and
+    the variant's own reference where it needs one (None: the case's)."""
     from opacus.validators import ModuleValidator
 
     fixed = ModuleValidator.fix(copy.deepcopy(model))
@@ -144,28 +149,18 @@ def _opacus_ready(model: nn.Module) -> Tuple[nn.Module, Callable[[List[Tensor]],
                 out.append(torch.cat([by_name[f"{prefix}.{q}linear.{part}"] for q in "qkv"]))
         return out
 
-    return fixed, to_model_order
+    # Where ModuleValidator.fix changed the model, the variant is checked against
+    # the fixed model's own reference: Opacus 1.6's DPMultiheadAttention with
+    # batch_first=True reshapes its heads' outputs without moving the head dim
+    # back, a different function from nn.MultiheadAttention's.
+    changed = [n for n, _ in fixed.named_parameters()] != [n for n, _ in model.named_parameters()]
+    pristine = copy.deepcopy(fixed) if changed else model  # before Opacus' hooks are attached
 
+    def reference() -> List[Tensor]:
+        *sums, norms = reference_of(pristine)
+        return [*to_model_order(sums), norms]
 
-Reference = Callable[[nn.Module], List[Tensor]]
-
-
-def _own_reference(variant: Variant, model: nn.Module, fixed: nn.Module,
-                   to_model_order: Callable[[List[Tensor]], List[Tensor]],
-                   reference_of: Reference) -> Variant:
-    """Where ModuleValidator.fix changed the model, the variant is checked
-    against the fixed model's own reference: Opacus 1.6's DPMultiheadAttention
-    with batch_first=True reshapes its heads' outputs without moving the
-    head dim back, a different function from nn.MultiheadAttention's."""
-    if [n for n, _ in fixed.named_parameters()] != [n for n, _ in model.named_parameters()]:
-        pristine = copy.deepcopy(fixed)  # before Opacus' hooks are attached to ``fixed``
-
-        def reference() -> List[Tensor]:
-            *sums, norms = reference_of(pristine)
-            return [*to_model_order(sums), norms]
-
-        variant.reference = reference
-    return variant
+    return fixed, to_model_order, reference if changed else None
 
 
 def opacus_clip_variant(
@@ -178,9 +173,7 @@ def opacus_clip_variant(
     sums and the norms."""
     from opacus import GradSampleModule
 
-    fixed, to_model_order = _opacus_ready(model)
-    variant = _own_reference(Variant("opacus_hooks", lambda: []), model, fixed, to_model_order,
-                             reference_of)
+    fixed, to_model_order, reference = _opacus_ready(model, reference_of)
     module = GradSampleModule(fixed, batch_first=True, loss_reduction="sum")
     params = [p for p in module.parameters() if p.requires_grad]
 
@@ -190,8 +183,7 @@ def opacus_clip_variant(
         factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)
         return [*to_model_order([torch.einsum("i,i...", factor, g) for g in samples]), norms]
 
-    variant.fn = step
-    return variant
+    return Variant("opacus_hooks", step, reference=reference)
 
 
 def opacus_ghost_variant(
@@ -208,9 +200,7 @@ def opacus_ghost_variant(
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
-    fixed, to_model_order = _opacus_ready(model)
-    variant = _own_reference(Variant("opacus_ghost", lambda: []), model, fixed, to_model_order,
-                             reference_of)
+    fixed, to_model_order, reference = _opacus_ready(model, reference_of)
     module = GradSampleModuleFastGradientClipping(
         fixed, batch_first=True, loss_reduction="sum", max_grad_norm=max_norm,
         use_ghost_clipping=True)
@@ -229,5 +219,4 @@ def opacus_ghost_variant(
             p.grad = None
         return [*to_model_order(sums), module.per_sample_gradient_norms]
 
-    variant.fn = step
-    return variant
+    return Variant("opacus_ghost", step, reference=reference)
