@@ -18,10 +18,10 @@ from .kernels import eager_linear_kernels
 from .machine import machine_info, overloaded, steady_malloc
 from .plot import plot_speedups
 from .progress import Progress
-from .report import all_correct, headline_table, limit_ratios_text, table, targets_text, to_json
+from .report import all_correct, headline_table, table, targets_text, to_json
 from .runner import RTOL, CaseResult, measure_vmap_floor, run_case
 from .scenarios import all_cases
-from .targets import compiled_limit_ratios, evaluate
+from .targets import evaluate
 from .timing import TimingPlan
 
 PLANS = {
@@ -174,9 +174,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(headline_table(results, checks))
     print("\nTargets (measured, not asserted):")
     print(targets_text(checks))
-    limit_ratios = compiled_limit_ratios(results)
-    if limit_ratios:
-        print(limit_ratios_text(limit_ratios))
     ok = all_correct(results)
     verdict = ("all variants match the float64 reference" if ok
                else "SOME VARIANTS FAILED (see !, ERROR and did-not-compile rows)")
@@ -191,7 +188,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                "compile_time": "wall time of the first call",
                                "warm_up_s": warm_up_s, "warm_up_error": compile_broken}}
         with open(args.json, "w") as f:
-            f.write(to_json(results, floor, checks, machine, config, limit_ratios))
+            f.write(to_json(results, floor, checks, machine, config))
         print(f"wrote {args.json}")
     if args.plot:
         print(plot_speedups(results, args.plot) or f"wrote {args.plot}")

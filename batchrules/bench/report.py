@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Optional
 
 from .compiled import twin_name
 from .runner import CaseResult, VariantResult
-from .targets import LimitRatios, TargetCheck
+from .targets import TargetCheck
 from .timing import Stats
 
 STOCK_COMPILED = twin_name("stock")
@@ -175,29 +175,17 @@ def targets_text(checks: List[TargetCheck]) -> str:
     return "\n".join(lines)
 
 
-def limit_ratios_text(rows: List[LimitRatios]) -> str:
-    """The compiled small rows' time relative to the limit, one line per case."""
-    lines = ["compiled small rows, time / limit (printed, no threshold):"]
-    for row in rows:
-        lines.append(f"    {row.case:30} " + "  ".join(f"{n} {v:.2f}" for n, v in row.ratios.items()))
-    return "\n".join(lines) if rows else ""
-
-
-def to_json(
-    results: List[CaseResult], floor: Optional[Stats], checks: List[TargetCheck],
-    machine: Dict[str, Any], config: Dict[str, Any], limit_ratios: Optional[List[LimitRatios]] = None,
-) -> str:
-    floor_s = floor.median if floor else None
+def to_json(results: List[CaseResult], floor: Optional[Stats], checks: List[TargetCheck],
+            machine: Dict[str, Any], config: Dict[str, Any]) -> str:
     cases = [{"scenario": r.case.scenario, "size": r.case.size, "tier": r.case.tier,
               "description": r.case.description, "n_linears": r.case.n_linears, "notes": r.notes,
               "vmap_floor_s": r.floor.median if r.floor else None,
               "variants": {name: variant_numbers(r, vr) for name, vr in r.variants.items()}} for r in results]
     return json.dumps({
         "machine": machine, "config": config,
-        "vmap_floor": {"median_s": floor_s, "iqr_s": floor.iqr if floor else None,
+        "vmap_floor": {"median_s": floor.median if floor else None, "iqr_s": floor.iqr if floor else None,
                        "times_s": floor.times if floor else None},
         "cases": cases, "targets": [asdict(c) for c in checks],
-        "compiled_limit_ratios": [asdict(r) for r in limit_ratios or []],
         "all_correct": all_correct(results),
     }, indent=1)
 

@@ -7,7 +7,7 @@ batchrules compiled is not slower than stock compiled (a batchrules twin that
 does not compile where the stock one does misses it).
 """
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 from .compiled import twin_name
 from .runner import CaseResult
@@ -147,24 +147,3 @@ def evaluate(results: List[CaseResult], linear_floor: int) -> List[TargetCheck]:
         checks.append(_compiled_check(r))
         checks.extend(t.check(r, linear_floor) for t in r.case.targets)
     return [c for c in checks if c is not None]
-
-
-@dataclass
-class LimitRatios:
-    """Median paired time(variant) / time(limit) of one case's variants."""
-
-    case: str
-    ratios: Dict[str, float]
-
-
-def compiled_limit_ratios(results: List[CaseResult]) -> List[LimitRatios]:
-    """For the small rows with a timed compiled twin: how far eager batchrules and
-    the compiled twins are from the hand-written limit (printed, not a target)."""
-    rows = []
-    for r in results:
-        if r.case.tier == "small" and any(r.stats(n) for n in (STOCK_COMPILED, BATCHRULES_COMPILED)):
-            ratios = {n: s.median for n in ("batchrules", STOCK_COMPILED, BATCHRULES_COMPILED)
-                      if (s := r.ratio(n, "limit")) is not None}
-            if ratios:
-                rows.append(LimitRatios(r.case.name, ratios))
-    return rows
