@@ -16,9 +16,7 @@ from .case import TIERS
 from .compiled import compile_failure, private_inductor_cache, warm_up_compiler
 from .kernels import eager_linear_kernels
 from .machine import machine_info, overloaded, steady_malloc
-from .plot import plot_speedups
-from .progress import Progress
-from .report import all_correct, headline_table, table, targets_text, to_json
+from .report import all_correct, headline_table, plot_speedups, table, targets_text, to_json
 from .runner import RTOL, CaseResult, measure_vmap_floor, run_case
 from .scenarios import all_cases
 from .targets import evaluate
@@ -32,6 +30,40 @@ PLANS = {
     "quick": TimingPlan(block_s=0.01, budget_s=1.0, min_repeats=5, max_repeats=25, warmup_calls=0),
     "full": TimingPlan(block_s=0.05, budget_s=10.0, min_repeats=15, max_repeats=200, warmup_calls=3),
 }
+
+
+class Progress:
+    """``[#####.....] 3/19 case: stage`` redrawn in place on a terminal;
+    one line per finished case otherwise (logs stay readable)."""
+
+    def __init__(self, total: int, width: int = 24) -> None:
+        self.total, self.width, self.finished = total, width, 0
+        self.tty = sys.stderr.isatty()
+        self.start = time.perf_counter()
+
+    def _bar(self) -> str:
+        filled = self.width * self.finished // max(self.total, 1)
+        return f"[{'#' * filled}{'.' * (self.width - filled)}] {self.finished}/{self.total}"
+
+    def stage(self, name: str, stage: str) -> None:
+        if self.tty:
+            line = f"{self._bar()} {name}: {stage}"
+            sys.stderr.write("\r\033[K" + line[:120])
+            sys.stderr.flush()
+
+    def done(self, name: str) -> None:
+        self.finished += 1
+        elapsed = time.perf_counter() - self.start
+        if self.tty:
+            self.stage(name, f"done ({elapsed:.0f}s)")
+        else:
+            sys.stderr.write(f"{self._bar()} {name} ({elapsed:.0f}s)\n")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
