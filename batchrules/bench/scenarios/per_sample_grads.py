@@ -1,6 +1,6 @@
 """Per-sample gradients, vmap(grad(loss), in_dims=(None, 0, 0)), against
 Opacus' hooks and hand-written code (MLP, CNN)."""
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor, nn
@@ -18,25 +18,27 @@ MLP_BATCHES = ((8, "small", {"smoke", "quick", "full"}), (32, "medium", {"headli
                (128, "large", {"quick", "full"}))
 CNN_BATCHES = ((8, "small", {"smoke", "quick", "full"}), (32, "medium", {"quick", "full"}),
                (128, "large", {"full"}))
+Loss = Callable[[Tensor, Tensor], Tensor]
 
 
-def per_sample_loop(model: nn.Module, x: Tensor, y: Tensor) -> List[Tensor]:
+def per_sample_loop(model: nn.Module, x: Tensor, y: Tensor, loss: Loss = cross_entropy) -> List[Tensor]:
     """float64 reference: one backward per sample, stacked per parameter."""
     m64 = in_float64(model)
-    x64, y = x.cpu().double(), y.cpu()
-    grads = []
-    for i in range(x.shape[0]):
-        loss = cross_entropy(m64(x64[i : i + 1]), y[i : i + 1])
-        grads.append(torch.autograd.grad(loss, list(m64.parameters())))
-    return [torch.stack(g) for g in zip(*grads)]
+    x64, y = x.cpu().double(), y.cpu() if not y.is_floating_point() else y.cpu().double()
+    rows = [torch.autograd.grad(loss(m64(x64[i:i + 1]), y[i:i + 1]), list(m64.parameters()))
+            for i in range(x.shape[0])]
+    return [torch.stack(g) for g in zip(*rows)]
 
 
-def _psg_setup(model: nn.Module, x: Tensor, y: Tensor,
-               limit: Callable[[Dict[str, Tensor]], List[Tensor]]) -> CaseSetup:
+def psg_setup(model: nn.Module, x: Tensor, y: Tensor, limit: Callable[[Dict[str, Tensor]], Any],
+              loss: Loss = cross_entropy, opacus: Optional[Callable[[], Variant]] = None) -> CaseSetup:
+    """Per-sample gradients of ``loss`` (of one sample made a batch of one):
+    stock, batchrules, the limit (on the parameters) and the Opacus variant
+    ``opacus`` builds, checked against ``per_sample_loop``."""
     params = detached_params(model)
 
     def sample_loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
-        return cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+        return loss(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
 
     per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
 
@@ -44,9 +46,9 @@ def _psg_setup(model: nn.Module, x: Tensor, y: Tensor,
         return per_sample_grads(params, x, y)
 
     setup = CaseSetup([*stock_and_batchrules(user_code), Variant("limit", lambda: limit(params))],
-                      reference=lambda: per_sample_loop(model, x, y),
+                      reference=lambda: per_sample_loop(model, x, y, loss),
                       floor=vmap_identity((None, 0, 0), (params, x, y), returned=0))
-    return with_opacus(setup, ["opacus"], lambda: [opacus_variant(model, x, y, cross_entropy_sum)])
+    return setup if opacus is None else with_opacus(setup, ["opacus"], lambda: [opacus()])
 
 
 def _mlp_case(batch: int, tier: str) -> Case:
@@ -59,7 +61,7 @@ def _mlp_case(batch: int, tier: str) -> Case:
             layers = [tuple(p[k] for k in MLP_SPEC.param_keys(i)) for i in range(MLP_SPEC.n_linears)]
             return hand_written.mlp_per_sample_grads(layers, MLP_SPEC.act, x, y)
 
-        return _psg_setup(model, x, y, limit)
+        return psg_setup(model, x, y, limit, opacus=lambda: opacus_variant(model, x, y, cross_entropy_sum))
 
     return Case("psg_mlp", f"b{batch}", tier, MLP_SPEC.n_linears,
                 f"per-sample grads, MLP {MLP_SPEC.sizes}, cross-entropy, batch {batch}", build,
@@ -71,7 +73,8 @@ def _cnn_case(batch: int, tier: str) -> Case:
         model = small_cnn().to(device)
         x = torch.randn(batch, 1, 28, 28, device=device)
         y = torch.randint(0, 10, (batch,), device=device)
-        return _psg_setup(model, x, y, lambda p: hand_written.cnn_per_sample_grads(p, x, y))
+        return psg_setup(model, x, y, lambda p: hand_written.cnn_per_sample_grads(p, x, y),
+                         opacus=lambda: opacus_variant(model, x, y, cross_entropy_sum))
 
     return Case("psg_cnn", f"b{batch}", tier, 2,
                 f"per-sample grads, CNN conv5x16-conv5x32-fc64-fc10 on 28x28, batch {batch}", build,

@@ -34,11 +34,11 @@ import batchrules
 
 from ..baselines import hand_written_recurrent as hw
 from ..baselines.opacus_variants import cross_entropy_sum, opacus_clip_variant, with_opacus
-from ..case import Case, CaseSetup, Variant, stock_and_batchrules, vmap_identity
+from ..case import Case, CaseSetup, Variant, vmap_identity
 from ..models import cross_entropy, detached_params, in_float64, mse, stacked_ensemble
 from ..targets import Speedup
 from .dp_step import MAX_NORM, loop_reference, summed_reference
-from .per_sample_grads import per_sample_loop
+from .per_sample_grads import psg_setup
 
 RNN = {"lstm": nn.LSTM, "gru": nn.GRU}
 QUICK, FULL = frozenset({"quick", "full"}), frozenset({"full"})
@@ -220,19 +220,8 @@ def _classifier_text(size: Size) -> str:
 
 def per_sample_grads_case(size: Size, tier: str) -> Case:
     def build(device: torch.device) -> CaseSetup:
-        model, x, y, sample_loss = _classifier(size, device)
-        params = detached_params(model)
-        per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
-        weights = list(params.values())
-
-        def user_code() -> Dict[str, Tensor]:
-            return per_sample_grads(params, x, y)
-
-        return CaseSetup(
-            variants=[*stock_and_batchrules(user_code),
-                      Variant("limit", lambda: hw.lstm_classifier_per_sample_grads(*weights, x, y))],
-            reference=lambda: per_sample_loop(model, x, y),
-            floor=vmap_identity((None, 0, 0), (params, x, y), returned=0))
+        model, x, y, _ = _classifier(size, device)
+        return psg_setup(model, x, y, lambda p: hw.lstm_classifier_per_sample_grads(*p.values(), x, y))
 
     return Case(
         "psg_lstm", f"b{size.batch}", tier, 1, f"per-sample grads, {_classifier_text(size)}", build,

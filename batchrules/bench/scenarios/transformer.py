@@ -11,10 +11,11 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from ..baselines import hand_written_transformer
-from ..baselines.opacus_variants import opacus_encoder_variant, with_opacus
+from ..baselines.opacus_variants import opacus_encoder_variant
 from ..case import Case, CaseSetup, Variant, stock_and_batchrules, vmap_identity
-from ..models import detached_params, in_float64, mse, stacked_ensemble
+from ..models import in_float64, mse, stacked_ensemble
 from ..targets import FASTER_THAN_OPACUS, transform_targets
+from .per_sample_grads import psg_setup
 
 D_MODEL, NHEAD, FFN, SEQ = 64, 4, 128, 32
 MEMBERS = 4
@@ -32,33 +33,13 @@ def encoder(batch_first: bool = True) -> nn.Module:
 def _psg_case(batch: int, tier: str) -> Case:
     def build(device: torch.device) -> CaseSetup:
         model = encoder().to(device)
-        params = detached_params(model)
         x = torch.randn(batch, SEQ, D_MODEL, device=device)
         y = torch.randn(batch, SEQ, D_MODEL, device=device)
+        def opacus() -> Variant:
+            return opacus_encoder_variant(model, encoder(batch_first=False).to(device), x, y)
 
-        def sample_loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
-            return mse(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
-
-        per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
-
-        def reference() -> List[Tensor]:
-            m64 = in_float64(model)
-            x64, y64 = x.cpu().double(), y.cpu().double()
-            rows = [torch.autograd.grad(mse(m64(x64[i:i + 1]), y64[i:i + 1]),
-                                        list(m64.parameters())) for i in range(batch)]
-            return [torch.stack(g) for g in zip(*rows)]
-
-        def user_code() -> List[Tensor]:
-            return list(per_sample_grads(params, x, y).values())
-
-        variants = [
-            *stock_and_batchrules(user_code),
-            Variant("limit", lambda: hand_written_transformer.per_sample_grads(params, x, y, NHEAD)),
-        ]
-        setup = CaseSetup(variants, reference=reference,
-                          floor=vmap_identity((None, 0, 0), (params, x, y), returned=0))
-        return with_opacus(setup, ["opacus"], lambda: [
-            opacus_encoder_variant(model, encoder(batch_first=False).to(device), x, y)])
+        return psg_setup(model, x, y, lambda p: hand_written_transformer.per_sample_grads(p, x, y, NHEAD),
+                         mse, opacus)
 
     return Case("psg_transformer", f"b{batch}", tier, N_LINEARS,
                 f"per-sample grads, TransformerEncoderLayer d{D_MODEL} h{NHEAD} T{SEQ}, "
