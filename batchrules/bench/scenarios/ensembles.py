@@ -1,9 +1,9 @@
 """Model ensembles via stack_module_state + functional_call + vmap: forward
 (shared or per-model input) and the training step."""
-from typing import Any, Dict, FrozenSet, List, NamedTuple
+from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from ..baselines import hand_written
@@ -36,9 +36,40 @@ SIZES = (
 )
 
 
-def _case(size: EnsembleSize, kind: str) -> Case:
-    """``kind``: "shared" or "per_model" input forward, or "train" (vmap(grad(mse)))."""
-    spec, train, shared = size.spec, kind == "train", kind == "shared"
+def train_setup(models: List[nn.Module], x: Tensor, y: Tensor,
+                limit: Callable[[Dict[str, Tensor]], Callable[[], Any]]) -> CaseSetup:
+    """vmap(grad(mse)) over the stacked members, each on its own ``x[e]``,
+    ``y[e]``: stock, batchrules and the limit (``limit`` makes its step from the
+    stacked parameters), checked against a float64 loop over the members."""
+    params, buffers, base = stacked_ensemble(models)
+    params = {k: v.detach().to(x.device) for k, v in params.items()}
+
+    def member_loss(p: Dict[str, Tensor], b: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        return mse(functional_call(base, (p, b), (xi,)), yi)
+
+    ensemble_grads = vmap(grad(member_loss))
+
+    def user_code() -> Dict[str, Tensor]:
+        return ensemble_grads(params, buffers, x, y)
+
+    def reference() -> List[Tensor]:
+        rows = []
+        for e, m in enumerate(models):
+            m64 = in_float64(m)
+            loss = mse(m64(x[e].cpu().double()), y[e].cpu().double())
+            rows.append(torch.autograd.grad(loss, list(m64.parameters())))
+        return [torch.stack(g) for g in zip(*rows)]
+
+    floor = vmap_identity((0, 0, 0, 0), (params, buffers, x, y), returned=0)
+    return CaseSetup([*stock_and_batchrules(user_code), Variant("limit", limit(params))], reference, floor=floor)
+
+
+def _layers(params: Dict[str, Tensor], spec: MlpSpec) -> List[Any]:
+    return [tuple(params[k] for k in spec.param_keys(i)) for i in range(spec.n_linears)]
+
+
+def _forward_case(size: EnsembleSize, shared: bool) -> Case:
+    spec = size.spec
 
     def build(device: torch.device) -> CaseSetup:
         models = [mlp(spec) for _ in range(size.members)]
@@ -46,49 +77,48 @@ def _case(size: EnsembleSize, kind: str) -> Case:
         params = {k: v.detach().to(device) for k, v in params.items()}
         in_f = spec.sizes[0]
         x = torch.randn((size.batch, in_f) if shared else (size.members, size.batch, in_f), device=device)
-        y = torch.randn(size.members, size.batch, spec.sizes[-1], device=device) if train else None
-        layers = [tuple(params[k] for k in spec.param_keys(i)) for i in range(spec.n_linears)]
+        in_dims = (0, 0, None if shared else 0)
+        ensemble = vmap(lambda p, b, xi: functional_call(base, (p, b), (xi,)), in_dims=in_dims)
 
-        def member(p: Dict[str, Tensor], b: Dict[str, Tensor], xi: Tensor, *yi: Tensor) -> Tensor:
-            out = functional_call(base, (p, b), (xi,))
-            return mse(out, yi[0]) if train else out
+        def user_code() -> Tensor:
+            return ensemble(params, buffers, x)
 
-        in_dims, args = ((0, 0, 0, 0), (params, buffers, x, y)) if train else ((0, 0, None if shared else 0),
-                                                                               (params, buffers, x))
-        ensemble = vmap(grad(member) if train else member, in_dims=in_dims)
-
-        def user_code() -> Any:
-            return ensemble(*args)
-
-        def limit() -> Any:
-            if train:
-                return hand_written.ensemble_mse_grads(layers, spec.act, x, y)
-            return hand_written.ensemble_forward(layers, spec.act, x, shared)
-
-        def reference() -> Any:
+        def reference() -> Tensor:
             x64 = x.cpu().double()
-            if not train:
-                return torch.stack([in_float64(m)(x64 if shared else x64[e]) for e, m in enumerate(models)])
-            rows = []
-            for e, m in enumerate(models):
-                m64 = in_float64(m)
-                loss = mse(m64(x64[e]), y[e].cpu().double())
-                rows.append(torch.autograd.grad(loss, list(m64.parameters())))
-            return [torch.stack(g) for g in zip(*rows)]
+            return torch.stack([in_float64(m)(x64 if shared else x64[e]) for e, m in enumerate(models)])
 
-        return CaseSetup([*stock_and_batchrules(user_code), Variant("limit", limit)], reference=reference,
-                         floor=vmap_identity(in_dims, args, returned=0 if train else -1))
+        layers = _layers(params, spec)
+        return CaseSetup([*stock_and_batchrules(user_code), Variant(
+            "limit", lambda: hand_written.ensemble_forward(layers, spec.act, x, shared))],
+            reference=reference, floor=vmap_identity(in_dims, (params, buffers, x)))
 
-    what = {"shared": "shared input", "per_model": "per-model input"}
-    description = (f"vmap(grad(mse)) over {size.members} MLPs {spec.sizes} ({spec.act}), per-model batch "
-                   f"{size.batch}" if train else
-                   f"{size.members} MLPs {spec.sizes} ({spec.act}), batch {size.batch}, {what.get(kind)}")
-    return Case("ensemble_train" if train else f"ensemble_fwd_{kind}", size.name, size.tier, spec.n_linears,
-                description, build, transform_targets(size.tier))
+    return Case("ensemble_fwd_shared" if shared else "ensemble_fwd_per_model", size.name, size.tier,
+                spec.n_linears, f"{size.members} MLPs {spec.sizes} ({spec.act}), batch {size.batch}, "
+                f"{'shared' if shared else 'per-model'} input", build, transform_targets(size.tier))
+
+
+def _train_case(size: EnsembleSize) -> Case:
+    spec = size.spec
+
+    def build(device: torch.device) -> CaseSetup:
+        models = [mlp(spec) for _ in range(size.members)]
+        x = torch.randn(size.members, size.batch, spec.sizes[0], device=device)
+        y = torch.randn(size.members, size.batch, spec.sizes[-1], device=device)
+        def limit(params: Dict[str, Tensor]) -> Callable[[], Any]:
+            layers = _layers(params, spec)
+            return lambda: hand_written.ensemble_mse_grads(layers, spec.act, x, y)
+
+        return train_setup(models, x, y, limit)
+
+    return Case("ensemble_train", size.name, size.tier, spec.n_linears,
+                f"vmap(grad(mse)) over {size.members} MLPs {spec.sizes} ({spec.act}), per-model batch "
+                f"{size.batch}", build, transform_targets(size.tier))
 
 
 def cases(mode: str) -> List[Case]:
     """Ensemble forward (shared / per-model input) and training-step cases for a mode."""
     if mode == "headline":
-        return [_case(MBPO, "train")]
-    return [_case(s, kind) for kind in ("shared", "per_model", "train") for s in SIZES if mode in s.modes]
+        return [_train_case(MBPO)]
+    chosen = [s for s in SIZES if mode in s.modes]
+    return ([_forward_case(s, True) for s in chosen] + [_forward_case(s, False) for s in chosen]
+            + [_train_case(s) for s in chosen])

@@ -4,17 +4,17 @@ ensemble training step, against a hand-written stacked layer
 (``baselines/hand_written_transformer.py``) and, for per-sample gradients,
 Opacus' DPMultiheadAttention.
 """
-from typing import Dict, List
+from typing import List
 
 import torch
-from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
+from torch import nn
 
 from ..baselines import hand_written_transformer
 from ..baselines.opacus_variants import opacus_encoder_variant
-from ..case import Case, CaseSetup, Variant, stock_and_batchrules, vmap_identity
-from ..models import in_float64, mse, stacked_ensemble
+from ..case import Case, CaseSetup, Variant
+from ..models import mse
 from ..targets import FASTER_THAN_OPACUS, transform_targets
+from .ensembles import train_setup
 from .per_sample_grads import psg_setup
 
 D_MODEL, NHEAD, FFN, SEQ = 64, 4, 128, 32
@@ -49,36 +49,9 @@ def _psg_case(batch: int, tier: str) -> Case:
 def _ensemble_case(batch: int, tier: str) -> Case:
     def build(device: torch.device) -> CaseSetup:
         models = [encoder().to(device) for _ in range(MEMBERS)]
-        params, buffers, base = stacked_ensemble(models)
-        params = {k: v.detach() for k, v in params.items()}
         x = torch.randn(MEMBERS, batch, SEQ, D_MODEL, device=device)
         y = torch.randn(MEMBERS, batch, SEQ, D_MODEL, device=device)
-
-        def member_loss(p: Dict[str, Tensor], b: Dict[str, Tensor], xb: Tensor,
-                        yb: Tensor) -> Tensor:
-            return mse(functional_call(base, (p, b), (xb,)), yb)
-
-        ensemble_grads = vmap(grad(member_loss))
-
-        def reference() -> List[Tensor]:
-            per_member = []
-            for m, model in enumerate(models):
-                m64 = in_float64(model)
-                loss = mse(m64(x[m].cpu().double()), y[m].cpu().double())
-                per_member.append(torch.autograd.grad(loss, list(m64.parameters())))
-            return [torch.stack(g) for g in zip(*per_member)]
-
-        def user_code() -> List[Tensor]:
-            return list(ensemble_grads(params, buffers, x, y).values())
-
-        return CaseSetup(
-            variants=[
-                *stock_and_batchrules(user_code),
-                Variant("limit", lambda: hand_written_transformer.ensemble_grads(params, x, y, NHEAD)),
-            ],
-            reference=reference,
-            floor=vmap_identity((0, 0, 0, 0), (params, buffers, x, y), returned=0),
-        )
+        return train_setup(models, x, y, lambda p: lambda: hand_written_transformer.ensemble_grads(p, x, y, NHEAD))
 
     return Case("ensemble_transformer", f"b{batch}", tier, N_LINEARS,
                 f"vmap(grad(mse)) over {MEMBERS} TransformerEncoderLayers d{D_MODEL} h{NHEAD} "
