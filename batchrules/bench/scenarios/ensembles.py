@@ -61,7 +61,8 @@ def train_setup(models: List[nn.Module], x: Tensor, y: Tensor,
         return [torch.stack(g) for g in zip(*rows)]
 
     floor = vmap_identity((0, 0, 0, 0), (params, buffers, x, y), returned=0)
-    return CaseSetup([*stock_and_batchrules(user_code), Variant("limit", limit(params))], reference, floor=floor)
+    return CaseSetup([*stock_and_batchrules(user_code), Variant("limit", limit(params))], reference,
+                     floor=floor)
 
 
 def _layers(params: Dict[str, Tensor], spec: MlpSpec) -> List[Any]:

@@ -51,7 +51,8 @@ def _ensemble_case(batch: int, tier: str) -> Case:
         models = [encoder().to(device) for _ in range(MEMBERS)]
         x = torch.randn(MEMBERS, batch, SEQ, D_MODEL, device=device)
         y = torch.randn(MEMBERS, batch, SEQ, D_MODEL, device=device)
-        return train_setup(models, x, y, lambda p: lambda: hand_written_transformer.ensemble_grads(p, x, y, NHEAD))
+        grads = hand_written_transformer.ensemble_grads
+        return train_setup(models, x, y, lambda p: lambda: grads(p, x, y, NHEAD))
 
     return Case("ensemble_transformer", f"b{batch}", tier, N_LINEARS,
                 f"vmap(grad(mse)) over {MEMBERS} TransformerEncoderLayers d{D_MODEL} h{NHEAD} "
