@@ -37,12 +37,11 @@ from ..baselines.opacus_variants import cross_entropy_sum, opacus_clip_variant, 
 from ..case import Case, CaseSetup, Variant, vmap_identity
 from ..models import cross_entropy, detached_params, in_float64, mse, stacked_ensemble
 from ..targets import Speedup
-from .dp_step import MAX_NORM, loop_reference, summed_reference
+from .dp_step import MAX_NORM, clipped_grad_variant, loop_reference, summed_reference
 from .per_sample_grads import psg_setup
 
 RNN = {"lstm": nn.LSTM, "gru": nn.GRU}
 QUICK, FULL = frozenset({"quick", "full"}), frozenset({"full"})
-SampleLoss = Callable[[Dict[str, Tensor], Tensor, Tensor], Tensor]
 
 
 class Recurrent(nn.Module):
@@ -202,15 +201,10 @@ def per_sample_forward_case(kind: str, size: Size, tier: str) -> Case:
                  "(limit / batchrules >= 0.91)", "limit", "batchrules", 1 / 1.1)])
 
 
-def _classifier(size: Size, device: torch.device) -> Tuple[nn.Module, Tensor, Tensor, SampleLoss]:
-    model = LstmClassifier(size.in_features, size.hidden, size.classes).to(device)
-    x = torch.randn(size.batch, size.steps, size.in_features, device=device)
-    y = torch.randint(0, size.classes, (size.batch,), device=device)
-
-    def sample_loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
-        return cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
-
-    return model, x, y, sample_loss
+def _classifier(size: Size, device: torch.device) -> Tuple[nn.Module, Tensor, Tensor]:
+    return (LstmClassifier(size.in_features, size.hidden, size.classes).to(device),
+            torch.randn(size.batch, size.steps, size.in_features, device=device),
+            torch.randint(0, size.classes, (size.batch,), device=device))
 
 
 def _classifier_text(size: Size) -> str:
@@ -220,7 +214,7 @@ def _classifier_text(size: Size) -> str:
 
 def per_sample_grads_case(size: Size, tier: str) -> Case:
     def build(device: torch.device) -> CaseSetup:
-        model, x, y, _ = _classifier(size, device)
+        model, x, y = _classifier(size, device)
         return psg_setup(model, x, y, lambda p: hw.lstm_classifier_per_sample_grads(*p.values(), x, y))
 
     return Case(
@@ -233,24 +227,21 @@ def per_sample_grads_case(size: Size, tier: str) -> Case:
 
 def dp_case(size: Size, tier: str) -> Case:
     def build(device: torch.device) -> CaseSetup:
-        model, x, y, sample_loss = _classifier(size, device)
-        params = detached_params(model)
-        clipped = batchrules.clipped_grad(sample_loss, MAX_NORM)
-        trainable = list(model.parameters())
+        model, x, y = _classifier(size, device)
+        params, trainable = detached_params(model), list(model.parameters())
 
-        def transform() -> List[Tensor]:
-            sums, norms = clipped(params, x, y)
-            return [*sums.values(), norms]
+        def sample_loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+            return cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
 
         def nonprivate() -> List[Tensor]:
             return list(torch.autograd.grad(cross_entropy_sum(model(x), y), trainable))
 
-        setup = CaseSetup(
-            variants=[Variant("nonprivate", nonprivate, reference=lambda: summed_reference(model, x, y))],
-            reference=lambda: loop_reference(model, x, y))
+        clipped = batchrules.clipped_grad(sample_loss, MAX_NORM)
+        summed = Variant("nonprivate", nonprivate, reference=lambda: summed_reference(model, x, y))
+        setup = CaseSetup([summed], reference=lambda: loop_reference(model, x, y))
         why = failure(lambda: clipped(params, x[:2], y[:2]))
         if why is None:
-            setup.variants.insert(0, Variant("clipped_grad", transform))
+            setup.variants.insert(0, clipped_grad_variant(clipped, params, x, y))
         else:
             setup.skipped["clipped_grad"] = why
         # ModuleValidator.fix swaps nn.LSTM for Opacus' DPLSTM (same parameter names).
