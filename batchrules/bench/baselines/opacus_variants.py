@@ -59,13 +59,10 @@ def opacus_variant(model: nn.Module, x: Tensor, y: Tensor, loss_sum: Callable[[T
 
 def opacus_encoder_variant(model: nn.Module, seq_first: nn.Module, x: Tensor, y: Tensor) -> Variant:
     """Per-sample gradients of a batch-first nn.TransformerEncoderLayer ``model``
-    with Opacus' DPMultiheadAttention (ModuleValidator.fix); gradients of the
-    split q/k/v projections are concatenated back into in_proj's layout.
-
-    Runs ``seq_first``, the same layer built with batch_first=False, holding
-    ``model``'s weights: Opacus 1.6's DPMultiheadAttention with batch_first=True
-    merges the heads in the wrong order (its output differs from
-    nn.MultiheadAttention's), sequence-first it computes the same function."""
+    with Opacus' DPMultiheadAttention (ModuleValidator.fix), the split q/k/v
+    gradients concatenated back into in_proj's layout. Runs ``seq_first``, the
+    layer built with batch_first=False, holding ``model``'s weights: Opacus 1.6's
+    DPMultiheadAttention with batch_first=True merges the heads in the wrong order."""
     from opacus import GradSampleModule
     from opacus.validators import ModuleValidator
 
@@ -113,15 +110,12 @@ def _opacus_ready(model: nn.Module, reference_of: Reference
                   ) -> Tuple[nn.Module, Callable[[List[Tensor]], List[Tensor]], Optional[Callable[[], Any]]]:
     """A copy of the model as an Opacus user trains it: ModuleValidator.fix
     swaps the layers Opacus cannot hook (nn.MultiheadAttention ->
-    DPMultiheadAttention, with the same weights, its packed in-projection
-    split into q/k/v linears), and no hooked layer's output is modified in
-    place (Opacus' backward hooks refuse that: torchvision's ResNet adds the
-    residual into its last GroupNorm's output, ``out += identity``, then
-    applies ReLU(inplace=True)): in-place activations become out-of-place and
-    each GroupNorm's output is cloned. Also returns the map from gradients of
-    the copy's trainable parameters to gradients in the model's parameter
-    order (the clones keep the parameter names' order, not their names), and
-    the variant's own reference where it needs one (None: the case's)."""
+    DPMultiheadAttention, its packed in-projection split into q/k/v linears),
+    and no hooked layer's output is modified in place, which Opacus' hooks
+    refuse (torchvision's ResNet adds the residual into a GroupNorm's output,
+    then applies ReLU(inplace=True)). Also returns the map from the copy's
+    gradients to the model's parameter order, and the variant's own reference
+    where it needs one (None: the case's)."""
     from opacus.validators import ModuleValidator
 
     fixed = ModuleValidator.fix(copy.deepcopy(model))
@@ -149,10 +143,8 @@ def _opacus_ready(model: nn.Module, reference_of: Reference
                 out.append(torch.cat([by_name[f"{prefix}.{q}linear.{part}"] for q in "qkv"]))
         return out
 
-    # Where ModuleValidator.fix changed the model, the variant is checked against
-    # the fixed model's own reference: Opacus 1.6's DPMultiheadAttention with
-    # batch_first=True reshapes its heads' outputs without moving the head dim
-    # back, a different function from nn.MultiheadAttention's.
+    # Where ModuleValidator.fix changed the model it computes another function
+    # (DPMultiheadAttention with batch_first=True, see opacus_encoder_variant).
     changed = [n for n, _ in fixed.named_parameters()] != [n for n, _ in model.named_parameters()]
     pristine = copy.deepcopy(fixed) if changed else model  # before Opacus' hooks are attached
 
@@ -191,11 +183,9 @@ def opacus_ghost_variant(
     reference_of: Reference,
 ) -> Variant:
     """``opacus_ghost``: what ``make_private(..., grad_sample_mode="ghost")``
-    runs: GradSampleModuleFastGradientClipping, DPOptimizerFastGradientClipping
-    and DPLossFastGradientClipping, whose ``backward()`` is two backward passes
-    (norms from the hooks, then the loss reweighted by the clipping factors).
-    Returns the parameters' ``.grad`` (the clipped sums; no noise) and the
-    norms."""
+    runs, whose ``backward()`` is two backward passes (norms from the hooks, then
+    the loss reweighted by the clipping factors). Returns the clipped sums (the
+    parameters' ``.grad``, no noise) and the norms."""
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping

@@ -1,26 +1,15 @@
-"""Recurrent layers (``nn.LSTM``, ``nn.GRU``) under torch.func. Stock torch.func
-cannot ``vmap`` them at all ("Batching rule not implemented for
-aten::lstm.input"); ``vmap(grad)`` runs them through the per-example fallback.
+"""Recurrent layers (``nn.LSTM``, ``nn.GRU``) under torch.func; stock vmap
+cannot run them ("Batching rule not implemented for aten::lstm.input"),
+stock ``vmap(grad)`` runs them through the per-example fallback.
 
-Rows and their variants:
-  rnn_ensemble_fwd, rnn_ensemble_train  N stacked LSTMs / GRUs on one shared
-      batch: the forward, and vmap(grad(mse)) over the members.
-      stock       stock torch.func's way, vmap being out: a per-member loop of
-                  functional_call (grad) over the stacked parameters
-      batchrules  stack_module_state + functional_call + vmap (grad), routing on
-      limit       the hand-batched recurrence (baselines/hand_written_recurrent.py)
-      loop        the eager loop: one fused torch._VF.lstm / gru call per member
-      Target: batchrules >= 0.95x the speed of the faster of loop and limit.
-  rnn_psg_fwd  vmap over per-sample sequences, shared weights. stock is skipped
-      with its error; limit: the eager call on the whole batch (the vmap dim
-      folded into the layer's batch). Target: batchrules <= 1.1x the limit.
-  psg_lstm  vmap(grad) of an LSTM classifier (last hidden -> linear ->
-      cross-entropy). stock: the per-example fallback; limit: hand-written
-      backpropagation through time. Targets: <= 1.3x the limit, >= 5x stock.
-  dp_lstm  the DP step of that classifier: clipped_grad, the non-private step
-      and Opacus' DPLSTM with its hooks (opacus_hooks); clipped_grad, if it
-      refuses the model, is skipped with its error. Targets: clipped_grad
-      <= 1.5x the non-private step, >= 1.5x faster than Opacus.
+- rnn_ensemble_fwd / _train: N stacked layers on one shared batch, forward and
+  vmap(grad(mse)). stock: a per-member functional_call loop; limit: the
+  hand-batched recurrence; loop: one fused ``torch._VF`` call per member.
+- rnn_psg_fwd: vmap over per-sample sequences (stock skipped with its error);
+  limit: the eager call on the whole batch.
+- psg_lstm: per-sample grads of an LSTM classifier; limit: backpropagation
+  through time by hand. dp_lstm: its DP step (clipped_grad, skipped with its
+  error if it refuses the model; the non-private step; Opacus' DPLSTM).
 """
 import contextlib
 from dataclasses import dataclass
