@@ -7,12 +7,12 @@ bench on cuda (its numbers in ``bench.json``). Writes ``<step>.log`` per step,
 """
 import json
 import os
-import re
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
@@ -24,19 +24,12 @@ CAPS = {"test_cuda": 100, "bench": 100}
 PACKAGE_ROOT = Path(batchrules.__file__).resolve().parent.parent
 
 
-def find_cuda_tests() -> Optional[Path]:
-    """tests/test_cuda.py of the checkout: the working directory's, else next to the package."""
-    candidates = (root / "tests" / "test_cuda.py" for root in (Path.cwd(), PACKAGE_ROOT))
-    return next((c for c in candidates if c.is_file()), None)
-
-
 def run_step(name: str, cmd: List[str], out_dir: Path, timeout_s: float) -> Dict[str, Any]:
     """Runs ``cmd`` with its output in ``out_dir/<name>.log``; never raises."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
-    log_path = out_dir / f"{name}.log"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p))
     start = time.monotonic()
-    with open(log_path, "w") as log:
+    with open(out_dir / f"{name}.log", "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         try:
@@ -46,16 +39,7 @@ def run_step(name: str, cmd: List[str], out_dir: Path, timeout_s: float) -> Dict
             rc = "timeout"
     seconds = round(time.monotonic() - start, 1)
     print(f"[gpu_check] {name}: rc={rc} in {seconds}s", flush=True)
-    return {"cmd": cmd, "rc": rc, "seconds": seconds, "log": log_path.name}
-
-
-def pytest_counts(log: str) -> Dict[str, int]:
-    """Counts from pytest's final summary line ("3 passed, 1 skipped in ...")."""
-    lines = [line for line in log.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
-    if not lines:
-        return {}
-    return {kind: int(n) for n, kind in re.findall(r"(\d+) (\w+)", lines[-1])
-            if kind in ("passed", "failed", "skipped", "error", "errors", "xfailed")}
+    return {"cmd": cmd, "rc": rc, "seconds": seconds, "log": f"{name}.log"}
 
 
 def main(out_dir: Path, budget_s: float = sum(CAPS.values())) -> int:
@@ -63,35 +47,35 @@ def main(out_dir: Path, budget_s: float = sum(CAPS.values())) -> int:
     deadline = time.monotonic() + budget_s
     steps: Dict[str, Dict[str, Any]] = {}
     summary: Dict[str, Any] = {
-        "torch": torch.__version__, "cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "batchrules": batchrules.__file__, "built_for_torch": _build_info.TORCH_VERSION,
-        "steps": steps,
+        "batchrules": batchrules.__file__, "built_for_torch": _build_info.TORCH_VERSION, "steps": steps,
     }
 
     def remaining(name: str) -> float:
         return max(1.0, min(CAPS[name], deadline - time.monotonic()))
 
+    tests = next((p for p in (Path.cwd() / "tests" / "test_cuda.py", PACKAGE_ROOT / "tests" / "test_cuda.py")
+                  if p.is_file()), None)
     if not torch.cuda.is_available():
         print("[gpu_check] no CUDA device visible to torch", flush=True)
         summary["error"] = "no CUDA device"
+    elif tests is None:
+        steps["test_cuda"] = {"rc": "missing", "error": "tests/test_cuda.py not found"}
     else:
-        tests = find_cuda_tests()
-        if tests is None:
-            steps["test_cuda"] = {"rc": "missing", "error": "tests/test_cuda.py not found"}
-        else:
-            step = steps["test_cuda"] = run_step(
-                "test_cuda", [sys.executable, "-m", "pytest", str(tests), "-q", "-rs",
-                              "-p", "no:cacheprovider", f"--junitxml={out_dir / 'test_cuda.xml'}"],
-                out_dir, remaining("test_cuda"))
-            step["counts"] = pytest_counts((out_dir / "test_cuda.log").read_text())
-            if step["rc"] == 0 and step["counts"].get("skipped", 0):
-                step["rc"] = "skipped tests"  # with a GPU visible a skip means CUDA went untested
+        xml = out_dir / "test_cuda.xml"
+        step = steps["test_cuda"] = run_step(
+            "test_cuda", [sys.executable, "-m", "pytest", str(tests), "-q", "-rs", "-p", "no:cacheprovider",
+                          f"--junitxml={xml}"], out_dir, remaining("test_cuda"))
+        suite = ElementTree.parse(xml).getroot().find("testsuite") if xml.is_file() else None
+        step["counts"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")} \
+            if suite is not None else {}
+        if step["rc"] == 0 and step["counts"].get("skipped", 0):
+            step["rc"] = "skipped tests"  # with a GPU visible a skip means CUDA went untested
+    if torch.cuda.is_available():
         steps["bench"] = run_step(
             "bench", [sys.executable, "-m", "batchrules.bench", "--device", "cuda",
                       "--json", str(out_dir / "bench.json")], out_dir, remaining("bench"))
-
     summary["ok"] = ok = summary.get("error") is None and all(s["rc"] == 0 for s in steps.values())
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1), flush=True)
