@@ -22,10 +22,10 @@ from .scenarios import all_cases
 from .targets import evaluate
 from .timing import TimingPlan
 
+# Per-variant blocks of ~block_s; repeats fill budget_s per case within bounds. The
+# check and profiling runs already warmed every variant up.
 PLANS = {
-    # per-variant block ~block_s; repeats fill budget_s per case within bounds
     "smoke": TimingPlan(block_s=0.002, budget_s=0.1, min_repeats=3, max_repeats=3, warmup_calls=1),
-    # the check and profiling runs already warmed every variant up
     "headline": TimingPlan(block_s=0.01, budget_s=0.5, min_repeats=5, max_repeats=15, warmup_calls=0),
     "quick": TimingPlan(block_s=0.01, budget_s=1.0, min_repeats=5, max_repeats=25, warmup_calls=0),
     "full": TimingPlan(block_s=0.05, budget_s=10.0, min_repeats=15, max_repeats=200, warmup_calls=3),
@@ -36,43 +36,35 @@ class Progress:
     """``[#####.....] 3/19 case: stage`` redrawn in place on a terminal;
     one line per finished case otherwise (logs stay readable)."""
 
-    def __init__(self, total: int, width: int = 24) -> None:
-        self.total, self.width, self.finished = total, width, 0
-        self.tty = sys.stderr.isatty()
-        self.start = time.perf_counter()
+    def __init__(self, total: int) -> None:
+        self.total, self.finished, self.start = total, 0, time.perf_counter()
 
     def _bar(self) -> str:
-        filled = self.width * self.finished // max(self.total, 1)
-        return f"[{'#' * filled}{'.' * (self.width - filled)}] {self.finished}/{self.total}"
+        filled = 24 * self.finished // max(self.total, 1)
+        return f"[{'#' * filled}{'.' * (24 - filled)}] {self.finished}/{self.total}"
 
     def stage(self, name: str, stage: str) -> None:
-        if self.tty:
-            line = f"{self._bar()} {name}: {stage}"
-            sys.stderr.write("\r\033[K" + line[:120])
-            sys.stderr.flush()
+        if sys.stderr.isatty():
+            print("\r\033[K" + f"{self._bar()} {name}: {stage}"[:120], end="", file=sys.stderr, flush=True)
 
     def done(self, name: str) -> None:
         self.finished += 1
-        elapsed = time.perf_counter() - self.start
-        if self.tty:
-            self.stage(name, f"done ({elapsed:.0f}s)")
+        elapsed = f"{time.perf_counter() - self.start:.0f}s"
+        if sys.stderr.isatty():
+            self.stage(name, f"done ({elapsed})")
         else:
-            sys.stderr.write(f"{self._bar()} {name} ({elapsed:.0f}s)\n")
-            sys.stderr.flush()
+            print(f"{self._bar()} {name} ({elapsed})", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        if sys.stderr.isatty():
+            print(file=sys.stderr, flush=True)
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m batchrules.bench",
-        description="batchrules vs stock torch.func, Opacus and hand-written code. By default one "
-                    "row per workload (ensembles, per-sample gradients, a hypernetwork, the DP step, "
-                    "the training-step ops), eager only: about 40 s.",
-    )
+    p = argparse.ArgumentParser(prog="python -m batchrules.bench", description=(
+        "batchrules vs stock torch.func, Opacus and hand-written code. By default one row per workload "
+        "(ensembles, per-sample gradients, a hypernetwork, the DP step, the training-step ops), eager "
+        "only: about 40 s."))
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="mode", action="store_const", const="quick",
                       help="every scenario at its named and small sizes, short timing (~3 min on 2 cores)")
