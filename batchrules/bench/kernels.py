@@ -32,30 +32,18 @@ from .case import Variant
 from .timing import synchronizer
 
 # Leaf ops that launch no compute: views, metadata, allocation, no-op resolves.
-NON_COMPUTE = frozenset(
-    "aten::" + name
-    for name in (
-        "view as_strided reshape _reshape_alias _unsafe_view expand expand_as t "
-        "transpose permute unsqueeze squeeze movedim moveaxis select slice narrow "
-        "alias detach mT numpy_T unflatten flatten split split_with_sizes unbind "
-        "chunk diagonal view_as empty empty_like empty_strided resolve_conj "
-        "resolve_neg lift_fresh to contiguous result_type size stride sym_size "
-        "sym_stride is_nonzero _local_scalar_dense item set_ resize_ "
-        "_has_compatible_shallow_copy_type conj _conj"
-    ).split()
-)
-
+NON_COMPUTE = frozenset("aten::" + name for name in (
+    "view as_strided reshape _reshape_alias _unsafe_view expand expand_as t transpose permute unsqueeze "
+    "squeeze movedim moveaxis select slice narrow alias detach mT numpy_T unflatten flatten split "
+    "split_with_sizes unbind chunk diagonal view_as empty empty_like empty_strided resolve_conj resolve_neg "
+    "lift_fresh to contiguous result_type size stride sym_size sym_stride is_nonzero _local_scalar_dense "
+    "item set_ resize_ _has_compatible_shallow_copy_type conj _conj").split())
 # Ops that do their own work even when they call helpers (see the Note).
-WORK_OPS = frozenset(
-    "aten::" + name
-    for name in (
-        "mm addmm bmm baddbmm addbmm mv addmv dot vdot addr _addmm_activation matmul "
-        "mkldnn_convolution cudnn_convolution miopen_convolution convolution_backward "
-        "_slow_conv2d_forward _slow_conv2d_backward slow_conv_dilated2d _nnpack_spatial_convolution "
-        "sum mean prod amax amin norm logsumexp scatter scatter_add index_put_ index_add"
-    ).split()
-)
-
+WORK_OPS = frozenset("aten::" + name for name in (
+    "mm addmm bmm baddbmm addbmm mv addmv dot vdot addr _addmm_activation matmul mkldnn_convolution "
+    "cudnn_convolution miopen_convolution convolution_backward _slow_conv2d_forward _slow_conv2d_backward "
+    "slow_conv_dilated2d _nnpack_spatial_convolution sum mean prod amax amin norm logsumexp scatter "
+    "scatter_add index_put_ index_add").split())
 LINEAR_OPS = ("aten::linear", "batchrules::linear")
 
 
@@ -81,10 +69,6 @@ def _count(event: FunctionEvent) -> Tuple[int, bool]:
     if is_compute and (kernels == 0 or (is_work and not work_below)):
         kernels += 1
     return kernels, work_below or is_work
-
-
-def kernels_in(event: FunctionEvent) -> int:
-    return _count(event)[0]
 
 
 @contextlib.contextmanager
@@ -119,9 +103,9 @@ def count_kernels(variant: Variant, device: torch.device) -> KernelCounts:
         synchronizer(device)()
     events: List[FunctionEvent] = list(prof.events())
     cpu_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    per_step = sum(kernels_in(e) for e in cpu_events if e.cpu_parent is None)
+    per_step = sum(_count(e)[0] for e in cpu_events if e.cpu_parent is None)
     linears = [e for e in cpu_events if e.name in LINEAR_OPS and not _has_linear_ancestor(e)]
-    per_linear = sum(kernels_in(e) for e in linears) / len(linears) if linears else None
+    per_linear = sum(_count(e)[0] for e in linears) / len(linears) if linears else None
     device_kernels = (sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
                       if device.type == "cuda" else None)
     return KernelCounts(per_step, len(linears), per_linear, device_kernels)
