@@ -27,6 +27,7 @@ import tempfile
 import time
 import types
 import warnings
+from unittest import mock
 from typing import Any, Callable, ContextManager, Iterator, Tuple, Union
 
 import torch
@@ -43,9 +44,8 @@ def fresh_function(fn: Callable[[], Any], tag: str) -> types.FunctionType:
     """``fn`` with a code object of its own, so that Dynamo's per-code-object cache
     starts empty for it (same globals, defaults and closure cells)."""
     if not isinstance(fn, types.FunctionType):
-        raise TypeError(
-            f"a user_code variant's fn must be a plain Python function to be compiled as a twin, "
-            f"got {type(fn).__name__}")
+        raise TypeError(f"a user_code variant's fn must be a plain Python function to be compiled as a "
+                        f"twin, got {type(fn).__name__}")
     code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}__{tag}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
@@ -107,14 +107,6 @@ def warm_up_compiler(device: torch.device) -> float:
 def private_inductor_cache() -> Iterator[str]:
     """Points Inductor's cache directory at a temporary one for the block (removed
     afterwards), so the run neither reads nor fills the user's cache."""
-    key = "TORCHINDUCTOR_CACHE_DIR"
-    previous = os.environ.get(key)
-    with tempfile.TemporaryDirectory(prefix="batchrules_bench_inductor_") as path:
-        os.environ[key] = path
-        try:
-            yield path
-        finally:
-            if previous is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = previous
+    with tempfile.TemporaryDirectory(prefix="batchrules_bench_inductor_") as path, \
+            mock.patch.dict(os.environ, TORCHINDUCTOR_CACHE_DIR=path):
+        yield path
