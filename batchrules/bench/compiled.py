@@ -27,8 +27,8 @@ import tempfile
 import time
 import types
 import warnings
-from unittest import mock
 from typing import Any, Callable, ContextManager, Iterator, Tuple, Union
+from unittest import mock
 
 import torch
 
