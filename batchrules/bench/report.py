@@ -38,30 +38,21 @@ def variant_numbers(result: CaseResult, vr: VariantResult) -> Dict[str, Any]:
     # The floor is vmap's: it means something only for the variants that vmap.
     floor = result.floor.median if result.floor and vr.name in ("stock", "batchrules") else None
     return {
-        "median_s": median,
-        "q1_s": s.quantile(0.25) if s else None,
-        "q3_s": s.quantile(0.75) if s else None,
-        "iqr_s": s.iqr if s else None,
-        "times_s": s.times if s else None,
+        "median_s": median, "q1_s": s.quantile(0.25) if s else None, "q3_s": s.quantile(0.75) if s else None,
+        "iqr_s": s.iqr if s else None, "times_s": s.times if s else None,
         # paired per-repeat ratios (timing.paired_ratios), not ratios of medians
         "speedup_vs_stock": _median(result.ratio("stock", vr.name)),
         "speedup_vs_stock_compiled": _median(result.ratio(STOCK_COMPILED, vr.name)) if vr.compiled else None,
         "ratio_to_limit": _median(result.ratio(vr.name, "limit")),
         "above_vmap_floor_s": median - floor if median is not None and floor is not None else None,
-        "max_abs_err": c.max_abs_err if c else None,
-        "reference_scale": c.scale if c else None,
-        "correct": c.ok if c else False,
-        "check_message": c.message if c else None,
-        "error": vr.error,
+        "max_abs_err": c.max_abs_err if c else None, "reference_scale": c.scale if c else None,
+        "correct": c.ok if c else False, "check_message": c.message if c else None, "error": vr.error,
         "kernels_per_step": k.per_step if k else None,
         "kernels_per_linear_forward": k.per_linear_forward if k else None,
         "linear_calls": k.linear_calls if k else None,
         "device_kernels_per_step": k.device_kernels_per_step if k else None,
-        "peak_extra_bytes": vr.peak_bytes,
-        "compiled": vr.compiled,
-        "compile_s": vr.compile_s,
-        "not_compiled": vr.not_compiled,
-        "skipped": vr.skipped,
+        "peak_extra_bytes": vr.peak_bytes, "compiled": vr.compiled, "compile_s": vr.compile_s,
+        "not_compiled": vr.not_compiled, "skipped": vr.skipped,
     }
 
 
