@@ -1,23 +1,14 @@
 """``python -m batchrules.bench --distributed [--smoke]``: the DP step on 2 gloo
 ranks, under DDP and FSDP2, against the non-private step under the same wrapper.
 
-A job of its own, not a scenario: the runner checks and times a variant as a
-closure in its own process, while these steps are collectives between processes
-that must run the same steps in the same order.
-
-Each rank (1 thread) holds the example's transformer (``examples/dp_sgd.py``,
-float32) and its share of a fixed batch; per wrapper it alternates the two steps
-in rounds whose order rotates (a barrier before each step, the garbage collector
-off), as the main bench does (Note [Why interleave]), and reports each step's
-median time, the median and IQR of the rounds' paired dp/np ratios and, from
-steps run under the profiler, the least of their peak memory (``_measure`` says
-why the least).
-  DDP   non-private: zero_grad, ``loss.backward()`` through the DDP module,
-        SGD step; DP: ``dp_step`` (clipped_grad, the rank's shard of the
-        noise, one ``all_reduce_flat``, SGD step).
-  FSDP2 non-private: ``loss.backward()`` through the ``fully_shard``-ed
-        model, SGD step; DP: ``fsdp_step`` (``unsharded``, clipped_grad, one
-        ``reduce_scatter_flat``, each shard's noise, SGD step).
+Not a scenario: these steps are collectives that the ranks must run in the same
+order. Each rank (1 thread) holds the example's transformer (``examples/dp_sgd.py``)
+and its share of a fixed batch; per wrapper it alternates the non-private step
+(``loss.backward()`` through the wrapper, SGD) and the DP one (``dp_step``:
+clipped_grad, its noise shard, one ``all_reduce_flat``; FSDP2: ``fsdp_step``, one
+``reduce_scatter_flat``) in rounds as the main bench does (Note [Why interleave],
+a barrier before each step) and reports each step's median time, the median and
+IQR of the rounds' paired dp/np ratios and the least of their peak memory.
 Targets: each DP step <= 1.3x its wrapper's non-private step (a miss whose
 threshold lies within the IQR is "noise"); per-rank peak memory under FSDP2
 <= 1.3x the non-private FSDP2 step's.
