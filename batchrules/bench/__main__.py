@@ -2,6 +2,7 @@
 import argparse
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
 import warnings
@@ -175,7 +176,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 tiers, any_compiled = (), False
             progress.done("compile warm-up")
         for case in cases:
-            results.append(run_case(case, device, plan, lambda s, n=case.name: progress.stage(n, s),
+            results.append(run_case(case, device, plan, functools.partial(progress.stage, case.name),
                                     compiled=case.tier in tiers))
             progress.done(case.name)
     progress.close()

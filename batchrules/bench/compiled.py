@@ -40,7 +40,7 @@ def twin_name(name: str) -> str:
     return name + "_compiled"
 
 
-def fresh_function(fn: Callable[[], Any], tag: str) -> types.FunctionType:
+def fresh_function(fn: Callable[..., Any], tag: str) -> types.FunctionType:
     """``fn`` with a code object of its own, so that Dynamo's per-code-object cache
     starts empty for it (same globals, defaults and closure cells)."""
     if not isinstance(fn, types.FunctionType):
@@ -61,7 +61,7 @@ def compiled_twin(variant: Variant, backend: Union[str, Callable[..., Any]] = "i
 def compile_now(twin: Variant, sync: Callable[[], None]) -> Tuple[Any, float]:
     """Compiles the twin by calling it once with caches disabled; returns the
     step's result and the wall seconds the call took (Note [Measuring compile time])."""
-    with twin.context(), torch.compiler.config.patch(force_disable_caches=True), \
+    with twin.context(), mock.patch.object(torch.compiler.config, "force_disable_caches", True), \
             warnings.catch_warnings():
         # Dynamo says once that disabling caches disables its profile-guided dynamism too.
         warnings.filterwarnings("ignore", message=".*force disabled by")

@@ -22,7 +22,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, cast
 
 import torch
 import torch.distributed as dist
@@ -84,7 +84,8 @@ def _measure(steps: Dict[str, Callable[[], None]], sizes: Sizes) -> Dict[str, Di
         for _ in range(PEAK_READINGS):
             dist.barrier()
             peaks.append(peak_extra_bytes(Variant(name, step), torch.device("cpu")))
-        out[name] = {"times_s": times[name], "peak_bytes": None if None in peaks else min(peaks)}
+        read = [p for p in peaks if p is not None]
+        out[name] = {"times_s": times[name], "peak_bytes": min(read) if len(read) == len(peaks) else None}
     return out
 
 
@@ -142,7 +143,8 @@ def run(sizes: Sizes = FULL, timeout_s: float = 300.0) -> List[dict]:
     from batchrules.examples.dp_sgd_ranks import _spawn
 
     with tempfile.TemporaryDirectory() as out_dir:
-        _spawn(_worker, sizes, WORLD, timeout_s, out_dir)  # worker(rank, world, port, sizes, out_dir)
+        # worker(rank, world, port, sizes, out_dir): _spawn passes its second argument through
+        _spawn(_worker, cast(Any, sizes), WORLD, timeout_s, out_dir)
         ranks = []
         for r in range(WORLD):
             with open(os.path.join(out_dir, f"rank{r}.json")) as f:

@@ -128,7 +128,7 @@ def bert_problem(size: Size, device: torch.device) -> Problem:
     torch.manual_seed(0)
     config = BertConfig(vocab_size=size.vocab, hidden_size=size.d, num_hidden_layers=size.layers,
                         num_attention_heads=size.heads, intermediate_size=4 * size.d,
-                        max_position_embeddings=size.tokens, num_labels=2, hidden_dropout_prob=0.0,
+                        max_position_embeddings=size.tokens, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
     model = Logits(BertForSequenceClassification(config), _bert_logits).to(device)
     gen = torch.Generator().manual_seed(1)

@@ -153,8 +153,8 @@ def mlp_bookkeeping(layers: Sequence[Layer], act: str, x: Tensor, y: Tensor,
     bias), then each layer's clipped sum as one GEMM of the scaled g against a.
     Returns ``([gW0, gb0, gW1, gb1, ...], norms)`` of cross-entropy per sample."""
     inputs, grads = mlp_output_grads(layers, act, x, y)
-    squares = sum((g.square().sum(1) * (a.square().sum(1) + 1) for a, g in zip(inputs, grads)), x.new_zeros(len(x)))
-    norms = squares.sqrt()
+    squares = [g.square().sum(1) * (a.square().sum(1) + 1) for a, g in zip(inputs, grads)]
+    norms = sum(squares[1:], squares[0]).sqrt()
     coef = (max_norm / (norms + 1e-6)).clamp(max=1.0).unsqueeze(1)
     sums: List[Tensor] = []
     for a, g in zip(inputs, grads):

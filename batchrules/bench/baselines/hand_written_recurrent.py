@@ -68,10 +68,10 @@ def _gru_layer(xp: Tensor, w_hh: Tensor, b_hh: Tensor) -> Tensor:
     return torch.stack(outputs, 2)
 
 
-def ensemble_recurrence(kind: str, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor, b_hh: Tensor,
-                        x: Tensor) -> Tensor:
-    """N stacked 1-layer ``nn.LSTM``/``nn.GRU`` (weights [N, ...]) on the shared
-    ``x`` [B, T, I]. Returns their outputs [N, B, T, H]."""
+def ensemble_recurrence(kind: str, weights: Sequence[Tensor], x: Tensor) -> Tensor:
+    """N stacked 1-layer ``nn.LSTM``/``nn.GRU`` (``weights``: w_ih, w_hh, b_ih,
+    b_hh, each [N, ...]) on the shared ``x`` [B, T, I]. Returns their outputs [N, B, T, H]."""
+    w_ih, w_hh, b_ih, b_hh = weights
     if kind == "lstm":
         return _lstm_layer(_input_projection(x, w_ih, b_ih + b_hh), w_hh)
     return _gru_layer(_input_projection(x, w_ih, b_ih), w_hh, b_hh)
@@ -88,14 +88,12 @@ def member_loop(kind: str, members: Sequence[Sequence[Tensor]], x: Tensor) -> Te
     return torch.stack([torch._VF.gru(x, h0, list(w), True, 1, 0.0, True, False, True)[0] for w in members])
 
 
-def lstm_classifier_per_sample_grads(
-    w_ih: Tensor, w_hh: Tensor, b_ih: Tensor, b_hh: Tensor, w_out: Tensor, b_out: Tensor,
-    x: Tensor, y: Tensor,
-) -> List[Tensor]:
+def lstm_classifier_per_sample_grads(weights: Sequence[Tensor], x: Tensor, y: Tensor) -> List[Tensor]:
     """Per-sample gradients of ``cross_entropy(linear(lstm(x_i)[-1]), y_i)``
     for a 1-layer LSTM (I -> H, zero initial state) and a linear head (H -> C).
-    ``x`` [B, T, I], ``y`` [B]. Returns the gradients of ``w_ih, w_hh, b_ih,
-    b_hh, w_out, b_out`` (nn.Module order), each with a leading B."""
+    ``weights``: ``w_ih, w_hh, b_ih, b_hh, w_out, b_out`` (nn.Module order), ``x``
+    [B, T, I], ``y`` [B]. Returns their gradients, each with a leading B."""
+    w_ih, w_hh, b_ih, b_hh, w_out, b_out = weights
     batch, steps, in_f = x.shape
     hidden = w_hh.shape[1]
     h1, h2, h3 = hidden, 2 * hidden, 3 * hidden

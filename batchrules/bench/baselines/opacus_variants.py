@@ -30,7 +30,7 @@ def with_opacus(setup: CaseSetup, names: Sequence[str], build: Callable[[], List
     return setup
 
 
-def _hooked_backward(loss: Tensor, params: Iterable[nn.Parameter]) -> List[Tensor]:
+def _hooked_backward(loss: Tensor, params: Iterable[Any]) -> List[Tensor]:
     """``loss.backward()`` through Opacus' hooks, then each parameter's
     ``grad_sample``, dropped from the parameter so that, as for the other
     variants, the caller holds the only copy of a step's result. (The hooks fire
@@ -156,7 +156,7 @@ def _opacus_ready(model: nn.Module, reference_of: Reference
 
 
 def opacus_clip_variant(
-    model: nn.Module, x: Tensor, y: Tensor, loss_sum: Callable[[Tensor, Tensor], Tensor],
+    model: nn.Module, x: Any, y: Tensor, loss_sum: Callable[[Tensor, Tensor], Tensor],
     max_norm: float, reference_of: Reference,
 ) -> Variant:
     """``opacus_hooks``: GradSampleModule's per-sample gradients, then the
@@ -179,7 +179,7 @@ def opacus_clip_variant(
 
 
 def opacus_ghost_variant(
-    model: nn.Module, x: Tensor, y: Tensor, criterion_sum: nn.Module, max_norm: float,
+    model: nn.Module, x: Any, y: Tensor, criterion_sum: nn.Module, max_norm: float,
     reference_of: Reference,
 ) -> Variant:
     """``opacus_ghost``: what ``make_private(..., grad_sample_mode="ghost")``

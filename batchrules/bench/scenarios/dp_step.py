@@ -15,6 +15,7 @@ dominate), 1.5x faster than Opacus ghost clipping, 20x faster than stock
 vmap(grad)+clip at MLP batch 128, and within 1.3x of the non-private step's
 peak memory.
 """
+import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -147,8 +148,9 @@ def _case(scenario: str, size: str, tier: str, n_linears: int, description: str,
           with_limit: bool = False) -> Case:
     def build(device: torch.device) -> CaseSetup:
         model, x, y = make(device)
-        layers = [(model[2 * i].weight.detach(), model[2 * i].bias.detach())
-                  for i in range(MLP_SPEC.n_linears)] if with_limit else []
+        params = detached_params(model) if with_limit else {}
+        layers = [(params[w], params[b]) for w, b in map(MLP_SPEC.param_keys, range(MLP_SPEC.n_linears))
+                  if with_limit]
 
         def limit() -> List[Tensor]:
             sums, norms = hand_written.mlp_bookkeeping(layers, MLP_SPEC.act, x, y, MAX_NORM)
@@ -181,12 +183,12 @@ def cases(mode: str) -> List[Case]:
     return (
         [_case("dp_mlp", f"b{b}", t, MLP_SPEC.n_linears,
                f"MLP {MLP_SPEC.sizes} {MLP_SPEC.act}, cross-entropy, batch {b}",
-               lambda device, b=b: _mlp(b, device), _targets(b >= 128, vs_stock=b == 128), with_limit=True)
+               functools.partial(_mlp, b), _targets(b >= 128, vs_stock=b == 128), with_limit=True)
          for b, t, m in MLP_BATCHES if mode in m]
         + [_case("dp_cnn", f"b{b}", t, 2, f"CNN conv5x16-conv5x32-fc64-fc10 on 28x28, batch {b}",
-                 lambda device, b=b: _cnn(b, device), _targets(False))
+                 functools.partial(_cnn, b), _targets(False))
            for b, t, m in CNN_BATCHES if mode in m]
         + [_case("dp_transformer", f"d{c[0]}t{c[3]}_b{b}", t, 5,
                  f"TransformerEncoderLayer(d={c[0]}, heads={c[1]}, ff={c[2]}, gelu) over {c[3]} tokens "
-                 f"+ linear head, batch {b}", lambda device, c=c, b=b: _encoder(c, b, device), _targets(True))
+                 f"+ linear head, batch {b}", functools.partial(_encoder, c, b), _targets(True))
            for c, b, t, m in ENCODER_CASES if mode in m])

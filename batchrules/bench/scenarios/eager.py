@@ -7,6 +7,7 @@
 / ``mish``: one more dispatcher hop, its own autograd node). Forward, or
 forward and backward against a fixed output gradient.
 """
+import functools
 from typing import Callable, List, Sequence
 
 import torch
@@ -22,7 +23,7 @@ from ..targets import ROUTING_FREE_IN_EAGER, Speedup, Target
 SIZES = (("small", {"smoke", "quick", "full"}, (8, 64, 64), (8, 64)),
          ("medium", {"headline", "quick", "full"}, (256, 512, 512), (256, 512)),
          ("large", {"full"}, (1024, 1024, 1024), (1024, 1024)))
-ACTIVATIONS = {"silu": (F.silu, batchrules.silu), "mish": (F.mish, batchrules.mish)}
+ACTIVATIONS = {act: (getattr(F, act), getattr(batchrules, act)) for act in ("silu", "mish")}
 # batchrules.linear's C entry must cost nothing either; the activations' direct
 # entries are boxed torch.ops calls: shown in the table, not a target.
 LINEAR_TARGETS = (Speedup("eager: F.linear / batchrules.linear >= 0.98", "stock", "batchrules", 0.98),
@@ -76,11 +77,14 @@ def linear_cases(mode: str) -> List[Case]:
     return [_linear(name, shape, backward) for backward in directions for name, shape in chosen]
 
 
+def _randn(shape: Sequence[int], device: torch.device) -> List[Tensor]:
+    return [torch.randn(shape, device=device)]
+
+
 def activation_cases(mode: str) -> List[Case]:
     """F.silu / F.mish vs batchrules.silu / mish, as ``linear_cases``."""
     directions = (True,) if mode == "headline" else (True, False)
-    return [_case(f"eager_{act}", name, 0, f"F.{act} on {list(shape)}",
-                  lambda device, shape=shape: [torch.randn(shape, device=device)], *ACTIVATIONS[act],
-                  backward, (ROUTING_FREE_IN_EAGER,))
+    return [_case(f"eager_{act}", name, 0, f"F.{act} on {list(shape)}", functools.partial(_randn, shape),
+                  *ACTIVATIONS[act], backward, (ROUTING_FREE_IN_EAGER,))
             for act in ACTIVATIONS for backward in directions
             for name, modes, _, shape in SIZES if mode in modes]

@@ -1,6 +1,6 @@
 """Model ensembles via stack_module_state + functional_call + vmap: forward
 (shared or per-model input) and the training step."""
-from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple
+from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -36,7 +36,7 @@ SIZES = (
 )
 
 
-def train_setup(models: List[nn.Module], x: Tensor, y: Tensor,
+def train_setup(models: Sequence[nn.Module], x: Tensor, y: Tensor,
                 limit: Callable[[Dict[str, Tensor]], Callable[[], Any]]) -> CaseSetup:
     """vmap(grad(mse)) over the stacked members, each on its own ``x[e]``,
     ``y[e]``: stock, batchrules and the limit (``limit`` makes its step from the

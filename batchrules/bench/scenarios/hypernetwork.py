@@ -51,7 +51,7 @@ def _case(size: str, b: int, rows: int, features: Tuple[int, int, int], backward
                 return [out.detach(), *torch.autograd.grad(out.square().sum(), inputs)] if backward else out
             return step
 
-        def reference() -> List[Tensor]:
+        def reference() -> Any:
             outs, grads = [], []
             for s in range(b):
                 sample = [t[s].detach().cpu().double().requires_grad_(backward) for t in inputs]

@@ -118,7 +118,7 @@ def ensemble_case(kind: str, size: Size, train: bool, tier: str) -> Case:
             return {k: torch.stack([r[k] for r in rows]) for k in params}
 
         def limit() -> Any:
-            out = hw.ensemble_recurrence(kind, *stacked, x)
+            out = hw.ensemble_recurrence(kind, stacked, x)
             return list(torch.autograd.grad((out - y).square().sum() * scale, stacked)) if train else out
 
         def loop() -> Any:
@@ -204,7 +204,10 @@ def _classifier_text(size: Size) -> str:
 def per_sample_grads_case(size: Size, tier: str) -> Case:
     def build(device: torch.device) -> CaseSetup:
         model, x, y = _classifier(size, device)
-        return psg_setup(model, x, y, lambda p: hw.lstm_classifier_per_sample_grads(*p.values(), x, y))
+        def limit(p: Dict[str, Tensor]) -> List[Tensor]:
+            return hw.lstm_classifier_per_sample_grads(list(p.values()), x, y)
+
+        return psg_setup(model, x, y, limit)
 
     return Case(
         "psg_lstm", f"b{size.batch}", tier, 1, f"per-sample grads, {_classifier_text(size)}", build,
