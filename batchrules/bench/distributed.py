@@ -14,15 +14,13 @@ threshold lies within the IQR is "noise"); per-rank peak memory under FSDP2
 <= 1.3x the non-private FSDP2 step's.
 """
 import copy
-import dataclasses
 import gc
 import json
 import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, cast
+from typing import Any, Callable, Dict, List, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -40,8 +38,7 @@ TIME_RATIO = 1.3
 MEMORY_RATIO = 1.3
 
 
-@dataclass(frozen=True)
-class Sizes:
+class Sizes(NamedTuple):
     d_model: int = 128
     heads: int = 4
     ff: int = 512
@@ -92,7 +89,6 @@ def _measure(steps: Dict[str, Callable[[], None]], sizes: Sizes) -> Dict[str, Di
 def _worker(rank: int, world: int, port: int, sizes: Sizes, out_dir: str) -> None:
     from batchrules.dp import all_reduce_flat
     from batchrules.examples import dp_sgd, dp_sgd_ranks
-
     dp_sgd_ranks._init(rank, world, port)
     if sizes.steady_malloc:
         steady_malloc()
@@ -141,7 +137,6 @@ def run(sizes: Sizes = FULL, timeout_s: float = 300.0) -> List[dict]:
     """Both wrappers on ``WORLD`` gloo ranks; returns each rank's results
     ``{wrapper: {step: {times_s, peak_bytes}}}``."""
     from batchrules.examples.dp_sgd_ranks import _spawn
-
     with tempfile.TemporaryDirectory() as out_dir:
         # worker(rank, world, port, sizes, out_dir): _spawn passes its second argument through
         _spawn(_worker, cast(Any, sizes), WORLD, timeout_s, out_dir)
@@ -183,6 +178,6 @@ def table(ranks: List[dict], sizes: Sizes) -> str:
 def main(smoke: bool = False, steady: bool = False, timeout_s: float = 300.0) -> int:
     """Runs both wrappers (``smoke``: tiny sizes, 3 repeats: numbers are noise;
     ``steady``: Note [Steady malloc for timing] in each rank) and prints the table."""
-    sizes = dataclasses.replace(SMOKE if smoke else FULL, steady_malloc=steady)
+    sizes = (SMOKE if smoke else FULL)._replace(steady_malloc=steady)
     print(table(run(sizes, timeout_s), sizes), flush=True)
     return 0

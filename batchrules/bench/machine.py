@@ -85,7 +85,6 @@ def machine_info(device: torch.device) -> Dict[str, Any]:
         info["cuda"] = torch.version.cuda
     try:
         import opacus
-
         info["opacus"] = opacus.__version__
     except ImportError:
         info["opacus"] = None

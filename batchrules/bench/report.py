@@ -206,7 +206,6 @@ def plot_speedups(results: List[CaseResult], path: str) -> Optional[str]:
     message when the figure cannot be drawn."""
     try:
         import matplotlib
-
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

@@ -6,7 +6,6 @@ dropout probability is 0, and the models stay in training mode (Opacus'
 hooks record only there). The packages are imported when a model is built:
 a missing one raises ImportError there."""
 import functools
-from dataclasses import dataclass
 from typing import Callable, NamedTuple, Tuple
 
 import torch
@@ -16,10 +15,8 @@ from torch import Tensor, nn
 IMAGE_BATCH = 16
 
 
-@dataclass(frozen=True)
-class Size:
+class Size(NamedTuple):
     """A transformer's size and its batch."""
-
     layers: int = 4
     d: int = 256
     heads: int = 4

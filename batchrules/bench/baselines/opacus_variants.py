@@ -51,7 +51,6 @@ def opacus_variant(model: nn.Module, x: Tensor, y: Tensor, loss_sum: Callable[[T
     """Per-sample gradients the Opacus way: forward the batch, backward a summed
     loss (each sample's gradient is that of its own loss), read ``p.grad_sample``."""
     from opacus import GradSampleModule
-
     module = GradSampleModule(copy.deepcopy(model), batch_first=True, loss_reduction="sum")
     params = [p for p in module.parameters() if p.requires_grad]
     return Variant("opacus", lambda: _hooked_backward(loss_sum(module(x), y), params))
@@ -65,7 +64,6 @@ def opacus_encoder_variant(model: nn.Module, seq_first: nn.Module, x: Tensor, y:
     DPMultiheadAttention with batch_first=True merges the heads in the wrong order."""
     from opacus import GradSampleModule
     from opacus.validators import ModuleValidator
-
     seq_first.load_state_dict(model.state_dict())
     fixed = ModuleValidator.fix(seq_first)
     module = GradSampleModule(fixed, batch_first=False, loss_reduction="sum")
@@ -117,7 +115,6 @@ def _opacus_ready(model: nn.Module, reference_of: Reference
     gradients to the model's parameter order, and the variant's own reference
     where it needs one (None: the case's)."""
     from opacus.validators import ModuleValidator
-
     fixed = ModuleValidator.fix(copy.deepcopy(model))
     for module in fixed.modules():
         if getattr(module, "inplace", False) is True:
@@ -164,7 +161,6 @@ def opacus_clip_variant(
     parameters, factor min(1, C / (norm + 1e-6)), einsum). Returns the clipped
     sums and the norms."""
     from opacus import GradSampleModule
-
     fixed, to_model_order, reference = _opacus_ready(model, reference_of)
     module = GradSampleModule(fixed, batch_first=True, loss_reduction="sum")
     params = [p for p in module.parameters() if p.requires_grad]
@@ -189,7 +185,6 @@ def opacus_ghost_variant(
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
-
     fixed, to_model_order, reference = _opacus_ready(model, reference_of)
     module = GradSampleModuleFastGradientClipping(
         fixed, batch_first=True, loss_reduction="sum", max_grad_norm=max_norm,

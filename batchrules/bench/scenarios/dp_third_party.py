@@ -16,7 +16,6 @@ step (language models at batch >= 16, resnet18-GN), >= 1.5x faster than Opacus
 <= 1.3x the non-private step's.
 """
 import copy
-import dataclasses
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -36,7 +35,7 @@ VARIANTS = ("stock", "clipped_grad", "nonprivate", "opacus_hooks", "opacus_ghost
 MID = models.Size()
 # (size, modes): a B = 64 row takes several minutes on 2 CPU cores (the float64
 # reference and Opacus' per-sample vocab-sized gradients).
-SIZES = ((MID, {"full"}), (dataclasses.replace(MID, batch=64), {"full"}))
+SIZES = ((MID, {"full"}), (MID._replace(batch=64), {"full"}))
 
 
 def _float64(t: Tensor) -> Tensor:

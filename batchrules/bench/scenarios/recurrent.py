@@ -12,8 +12,7 @@ stock ``vmap(grad)`` runs them through the per-example fallback.
   error if it refuses the model; the non-private step; Opacus' DPLSTM).
 """
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -56,10 +55,8 @@ class LstmClassifier(nn.Module):
         return self.head(self.lstm(x)[0][:, -1])
 
 
-@dataclass(frozen=True)
-class Size:
+class Size(NamedTuple):
     """Sequences [batch, steps, in_features]; ``members`` of an ensemble."""
-
     in_features: int = 32
     hidden: int = 32
     batch: int = 16
