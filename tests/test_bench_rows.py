@@ -11,7 +11,7 @@ from batchrules.bench import third_party_models as models
 from batchrules.bench.baselines.opacus_variants import opacus_missing_reason
 from batchrules.bench.case import MODES, Case
 from batchrules.bench.runner import run_case
-from batchrules.bench.scenarios import all_cases
+from batchrules.bench.scenarios import all_cases, dp_bf16
 from batchrules.bench.scenarios import dp_third_party as tp
 from batchrules.bench.scenarios import recurrent as rec
 from batchrules.bench.targets import evaluate
@@ -73,6 +73,17 @@ def test_third_party_row_runs_and_matches(scenario: str) -> None:
             assert "tying" in result.variants["opacus_ghost"].skipped
         else:
             assert "opacus_ghost" in ran
+
+
+def test_bf16_row_matches_its_references() -> None:
+    """Every variant of the --full row dp_transformer_bf16 (bf16 within its
+    tolerance) matches; the target exists where the machine has bf16 kernels."""
+    (case,) = dp_bf16.cases("full")
+    result = run_case(case, CPU, PLAN)
+    assert set(result.variants) == {"clipped_grad", "clipped_grad_bf16", "nonprivate", "nonprivate_bf16"}
+    for name, v in result.variants.items():
+        assert v.error is None and v.check is not None and v.check.ok, (name, v.error, v.check)
+    assert bool(case.targets) == dp_bf16.has_bf16_kernels()
 
 
 def test_missing_model_package_skips_the_row() -> None:

@@ -23,13 +23,15 @@ class Variant:
     under the batchrules routing state ``routing`` (None: irrelevant, left off).
     ``user_code``: ``fn`` is the user's own code (a plain Python function), which
     gets a compiled twin (Note [Compiled twins]). ``reference``: this variant's own
-    float64 reference (None: the case's)."""
+    float64 reference (None: the case's); ``rtol``: its own tolerance (None: the
+    runner's; a step under bfloat16 autocast)."""
 
     name: str
     fn: Callable[[], Any]
     routing: Optional[bool] = None
     user_code: bool = False
     reference: Optional[Callable[[], Any]] = None
+    rtol: Optional[float] = None
 
     def context(self) -> ContextManager[None]:
         """The routing state this variant is run (and profiled) under."""

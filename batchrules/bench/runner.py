@@ -117,7 +117,7 @@ def _prepare(v: Variant, vr: VariantResult, reference: Any, device: torch.device
     Returns whether the variant ran."""
     try:
         with v.context():
-            vr.check = compare(v.fn(), reference, RTOL)
+            vr.check = compare(v.fn(), reference, v.rtol or RTOL)
         on_stage(f"profile {v.name}")
         vr.kernels = count_kernels(v, device)
         vr.peak_bytes = peak_extra_bytes(v, device)
@@ -141,7 +141,7 @@ def _prepare_twin(source: Variant, vr: VariantResult, reference: Any,
         vr.not_compiled = compile_failure(exc)
         return None
     try:
-        vr.check = compare(result, reference, RTOL)
+        vr.check = compare(result, reference, source.rtol or RTOL)
         del result
         check_no_recompile(twin)
         with no_recompile():

@@ -4,6 +4,7 @@ from typing import List
 
 from ..case import Case
 from . import (
+    dp_bf16,
     dp_step,
     dp_third_party,
     eager,
@@ -15,9 +16,9 @@ from . import (
     transformer,
 )
 
-# In the order the table shows them (dp_third_party: --full only).
+# In the order the table shows them (dp_bf16 and dp_third_party: --full only).
 CASES = (ensembles.cases, per_sample_grads.cases, hypernetwork.cases, eager.linear_cases, transformer.cases,
-         recurrent.cases, loss_grads.cases, dp_step.cases, eager.activation_cases,
+         recurrent.cases, loss_grads.cases, dp_step.cases, dp_bf16.cases, eager.activation_cases,
          dp_third_party.cases)
 
 
