@@ -1,10 +1,8 @@
-"""The third-party models of the DP rows (scenarios/dp_third_party.py), from
-configs with random weights (no downloads), each with its batch: a
-``Problem``, the model as a ``Logits`` over a tuple of batched inputs, the
-inputs, the targets and a criterion that sums the samples' losses. Every
-dropout probability is 0, and the models stay in training mode (Opacus'
-hooks record only there). The packages are imported when a model is built:
-a missing one raises ImportError there."""
+"""The third-party models of the DP rows (``scenarios/dp_third_party.py``) from
+configs with random weights, dropout 0, in training mode (Opacus' hooks record
+only there), each a ``Problem``: the model as a ``Logits`` over a tuple of
+batched inputs, the inputs, the targets and a criterion summing the samples'
+losses. A missing package raises ImportError when its model is built."""
 import functools
 from typing import Callable, NamedTuple, Tuple
 

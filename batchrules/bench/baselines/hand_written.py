@@ -1,9 +1,6 @@
-"""Hand-written baselines: what an expert writes without vmap.
-
-Each function computes exactly what its scenario's torch.func code computes,
-with batched GEMMs called directly (addmm / baddbmm / bmm), and with manual
-backward passes where torch.func would use ``grad``. These are the "limit"
-the batchrules rows are measured against.
+"""Hand-written baselines, the "limit" rows: what an expert writes without vmap,
+computing exactly what the scenario's torch.func code computes with batched
+GEMMs called directly and manual backward passes where torch.func uses ``grad``.
 """
 from typing import Dict, List, Sequence, Tuple
 

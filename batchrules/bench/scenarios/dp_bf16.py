@@ -1,14 +1,8 @@
-"""The DP transformer row under bfloat16 autocast, against itself in float32.
-
-Variants (the loss's forward under ``torch.autocast(device, torch.bfloat16)``
-in the ``_bf16`` ones, the cross-entropy in float32):
-  clipped_grad, clipped_grad_bf16   batchrules.clipped_grad
-  nonprivate, nonprivate_bf16       forward + backward of the summed loss
-The bf16 variants are checked against the same float64 references as the
-float32 ones, within ``BF16_RTOL`` of the largest entry (a few bf16 roundings
-through the layer). Target: the bf16 DP step faster than the float32 one,
-where the machine has bf16 kernels (oneDNN's on a CPU with avx512_bf16 or
-AMX; any CUDA device) — elsewhere the row only reports.
+"""The DP transformer row under bfloat16 autocast (the loss's forward; the
+cross-entropy in float32) against itself in float32: clipped_grad and the
+non-private step, each checked against the float64 references within
+``BF16_RTOL``. Target, where the machine has bf16 kernels (oneDNN's on a CPU
+with avx512_bf16 or AMX; any CUDA device): the bf16 DP step faster than float32.
 """
 import dataclasses
 from typing import Callable, Dict, List

@@ -1,19 +1,12 @@
-"""DP-SGD scenarios: the clipped sum of per-sample gradients, and the norms.
-
-Variants of one step (max_norm 1, cross-entropy per sample):
-  stock / batchrules  vmap(grad(loss)) then clip and sum (routing off / on)
-  clipped_grad        batchrules.clipped_grad: one forward, one backward
-  opacus_hooks        Opacus GradSampleModule, then DPOptimizer's clipping
-  opacus_ghost        Opacus ghost clipping (make_private(grad_sample_mode="ghost"))
-  limit               hand-written book-keeping (MLP only, ``hand_written.mlp_bookkeeping``)
-  nonprivate          forward + backward of the summed loss: the summed
-                      gradients (checked against its own reference)
-Each returns the clipped sums (parameter order) then the norms, checked
-against a float64 per-sample loop. Targets: clipped_grad within 1.2x of the
-non-private step (where the step is large enough for the fixed costs not to
-dominate), 1.5x faster than Opacus ghost clipping, 20x faster than stock
-vmap(grad)+clip at MLP batch 128, and within 1.3x of the non-private step's
-peak memory.
+"""DP-SGD rows: one step's clipped sums (parameter order) then the per-sample
+norms (max_norm 1, cross-entropy per sample), checked against a float64
+per-sample loop. Variants: stock / batchrules (vmap(grad) then clip and sum,
+routing off / on); clipped_grad; opacus_hooks (GradSampleModule, then
+DPOptimizer's clipping); opacus_ghost (``make_private(grad_sample_mode="ghost")``);
+limit (hand-written book-keeping, MLP only); nonprivate (the summed gradients).
+Targets: clipped_grad <= 1.2x the non-private step where the step is large
+enough for fixed costs not to dominate, >= 1.5x faster than ghost clipping,
+>= 20x faster than stock at MLP batch 128, peak memory <= 1.3x the non-private step's.
 """
 import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple

@@ -1,10 +1,7 @@
-"""Per-sample weights, as a hypernetwork produces them.
-
-The target network is two linears whose weights and biases differ per sample
-(``vmap(target)(x, W1, b1, W2, b2)``); the weights are leaves standing in for
-a hypernetwork's output so that only the per-sample-weight part is measured.
-Backward is eager autograd through the vmapped code, as when the hypernetwork
-is trained.
+"""Per-sample weights, as a hypernetwork produces them: two linears whose
+weights and biases differ per sample (``vmap(target)(x, W1, b1, W2, b2)``), the
+weights leaves standing in for the hypernetwork's output; the backward is eager
+autograd through the vmapped code, as when the hypernetwork is trained.
 """
 from typing import Any, Callable, List, Tuple
 

@@ -1,11 +1,9 @@
-"""The losses alone, per-sample ``vmap(grad(loss))`` on one example made a
-batch of one (the loss of a per-sample-gradient step, without the network).
-
-Variants: ``stock`` (functorch's Python decompositions of the loss ops), ``batchrules``
-(routing on: the rules of csrc/losses/), ``composed`` (the same loss written as its
-composition, e.g. log_softmax + gather, under the same transforms) and ``hand_written``
-(the per-sample gradient in closed form, no transform). Neither of the last two is
-named ``limit``: no transform reaches closed-form speed, so the one target is against stock.
+"""The losses alone: per-sample ``vmap(grad(loss))`` on one example made a batch
+of one. Variants: stock (functorch's decompositions), batchrules (the rules of
+csrc/losses/), composed (the loss written as its composition, e.g. log_softmax +
+gather, under the same transforms) and hand_written (the per-sample gradient in
+closed form). No transform reaches closed-form speed, so none is the "limit" and
+the one target is against stock.
 """
 from typing import Callable, FrozenSet, List, NamedTuple
 
