@@ -1,19 +1,8 @@
-"""Hand-written baselines of the recurrent scenarios (``scenarios/recurrent.py``).
-
-- ``ensemble_recurrence``: N stacked 1-layer LSTMs or GRUs on a shared input
-  run as one batched recurrence: the input projection of every member and time
-  step in one GEMM, then one ``baddbmm`` per step for the hidden projection of
-  all members; plain tensor ops, so autograd gives the training step.
-- ``member_loop``: the loop a user writes without vmap: one eager fused
-  ``torch._VF.lstm`` / ``torch._VF.gru`` call per member.
-- ``lstm_classifier_per_sample_grads``: per-sample gradients of a 1-layer LSTM
-  classifier (last hidden state -> linear -> cross-entropy): one batched
-  forward keeping the gates, backpropagation through time by hand, and each
-  weight's per-sample gradient one ``bmm`` over time.
-
-Gate order as PyTorch's: LSTM ``i, f, g, o``; GRU ``r, z, n`` with
-``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``. Zero initial state,
-``batch_first`` sequences, no dropout.
+"""Hand-written baselines of the recurrent rows (``scenarios/recurrent.py``):
+the members' stacked recurrence, the per-member loop of fused calls, and an LSTM
+classifier's per-sample gradients by backpropagation through time. Gate order
+as PyTorch's: LSTM ``i, f, g, o``; GRU ``r, z, n`` with ``n = tanh(W_in x + b_in
++ r * (W_hn h + b_hn))``. Zero initial state, ``batch_first``, no dropout.
 """
 from typing import List, Sequence
 
