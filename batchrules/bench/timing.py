@@ -1,18 +1,13 @@
 """Interleaved wall-clock timing: round-robin over variants, one block each.
 
 Note [Why interleave]
-On a shared machine the load drifts over seconds. Timing variant A for a while
-and then variant B charges the drift to whichever ran during the busy spell.
-Here every repeat times one block of each variant back to back (the order
-rotates per repeat), so drift hits all variants alike, and the median over
-repeats discards the spells where a neighbour stole the cores. Ratios are
-taken per repeat (``paired_ratios``) for the same reason.
-
-A block starts with one untimed call of its own variant: straight after
-another variant's block, its first call would find that variant's leftovers in
-the caches and the allocator (after stock vmap(grad)'s large per-sample
-gradients, the DP steps measurably slower), while a training loop runs each
-step after its own previous one.
+On a shared machine the load drifts over seconds; timing variant A for a while
+and then B charges the drift to whichever ran during the busy spell. Every
+repeat times one block of each variant back to back, in an order that rotates,
+so drift hits all alike, and ratios are taken per repeat (``paired_ratios``).
+A block starts with one untimed call of its own variant: straight after another
+variant's block, its first call would find that one's leftovers in the caches
+and the allocator, while a training loop runs each step after its own previous one.
 """
 import gc
 import statistics

@@ -1,18 +1,12 @@
 """DP-SGD on third-party models (``--full`` only, ``third_party_models.py``):
-transformers' GPT-2 (the tied wte, ``-100`` labels) and BERT (a 4-D additive
-padding mask), a peft LoRA on GPT-2's ``c_attn`` (only the LoRA factors
-trained), torchvision's resnet18 with GroupNorm and a timm ViT, from configs
-with random weights; the per-sample loss is the user's.
-
-Variants as in ``dp_step.py`` (stock: vmap(grad)+clip+sum; clipped_grad;
-nonprivate; opacus_hooks; opacus_ghost), each checked against a float64
-per-sample loop. No routed vmap(grad) ("batchrules"): it times as stock here
-and a row must stay under about a minute; no compiled twins: compiling
-vmap(grad) of a whole GPT-2 takes minutes. A missing model package skips the
-row with the import error; ghost clipping that refuses the model skips
-``opacus_ghost`` with its error. Targets: clipped_grad <= 1.3x the non-private
-step (language models at batch >= 16, resnet18-GN), >= 1.5x faster than Opacus
-(ghost, or hooks where ghost cannot run the model: tied GPT-2) and peak memory
+transformers' GPT-2 (tied wte, ``-100`` labels) and BERT (a 4-D additive padding
+mask), a peft LoRA on GPT-2's ``c_attn``, torchvision's resnet18 with GroupNorm
+and a timm ViT. Variants as in ``dp_step.py`` but no routed vmap(grad) (it times
+as stock here) and no compiled twins (compiling a whole GPT-2 takes minutes). A
+missing model package skips the row; ghost clipping that refuses the model
+skips ``opacus_ghost`` with its error. Targets: clipped_grad <= 1.3x the
+non-private step (language models at batch >= 16, resnet18-GN), >= 1.5x faster
+than Opacus (ghost, or hooks where ghost cannot run the model) and peak memory
 <= 1.3x the non-private step's.
 """
 import copy

@@ -1,10 +1,7 @@
-"""Eager ops, no transform: batchrules must cost nothing there.
-
-``stock``: ``F.linear`` / ``F.silu`` / ``F.mish`` with routing off;
-``stock_routed``: the same with routing on, which must leave eager code alone
-(it acts on a dispatch key active only inside torch.func transforms);
-``batchrules``: the operator called directly (``batchrules.linear`` / ``silu``
-/ ``mish``: one more dispatcher hop, its own autograd node). Forward, or
+"""Eager ops, no transform: batchrules must cost nothing there. stock:
+``F.linear`` / ``F.silu`` / ``F.mish``, routing off; stock_routed: the same,
+routing on (it acts only inside torch.func transforms); batchrules: the operator
+called directly (``batchrules.linear`` / ``silu`` / ``mish``). Forward, or
 forward and backward against a fixed output gradient.
 """
 import functools
