@@ -1,25 +1,20 @@
 """Compiled twins: ``torch.compile`` of the user-code variants.
 
 Note [Compiled twins]
-A variant flagged ``user_code=True`` runs the user's own torch.func code. The
-runner adds its twin ``<name>_compiled``: ``torch.compile(fn, fullgraph=True)``
-(Inductor) of the same step, compiled and run under the same routing state,
-entered outside the compiled function. Routing acts while the transforms are
-traced, so the compiled code keeps the state it was compiled under; Dynamo
-does not guard on it and caches per code object, so each twin compiles a fresh
-copy of the step's code object (``fresh_function``): the stock and batchrules
-twins are two compilations of one function. A graph break is a failure,
-reported on the row with its reason, never a silently partial compile.
+A ``user_code`` variant's twin ``<name>_compiled`` is ``torch.compile(fn,
+fullgraph=True)`` (Inductor) of the same step under the same routing state.
+Routing acts while the transforms are traced and Dynamo neither guards on it nor
+caches other than per code object, so each twin compiles a fresh copy of the
+step's code object (``fresh_function``): the stock and batchrules twins are two
+compilations of one function. A graph break is a failure reported on the row.
 
 Note [Measuring compile time]
-Compile time is the wall time of a twin's first call (tracing, AOTAutograd,
-code generation and compilation, plus one run of the step), excluded from the
-step timings. Every twin compiles from scratch: caches are disabled
-(``force_disable_caches``) and Inductor's cache directory is a temporary one, so
-neither the user's cache nor an earlier twin is reused. A warm-up compile
-before the cases pays the process's one-off first-compilation cost. A second
-call, and the peak-memory run, under the ``fail_on_recompile`` stance check
-that no compilation happens while the step is timed.
+A twin's first call (tracing, code generation, compilation and one run) is its
+compile time, excluded from the step timings. Caches are disabled and
+Inductor's cache directory is a temporary one, so every twin compiles from
+scratch; a warm-up compile first pays the process's one-off cost. A second call
+and the peak-memory run, under ``fail_on_recompile``, check that nothing
+compiles while the step is timed.
 """
 import contextlib
 import os

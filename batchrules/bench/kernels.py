@@ -1,22 +1,17 @@
 """Counting compute kernels with torch.profiler.
 
 Note [What counts as a compute kernel]
-A compute op is an ATen op that is not a view, metadata or allocation op. A
-kernel is a compute op in the profiler's CPU op tree with no compute op below
-it: under vmap an op shows up once per level and composite ops (linear,
-matmul) call others, so only the innermost compute op of each chain counts,
-one kernel launch each. Exception: GEMM, convolution, reduction and scatter
-ops do their own work even when they call a helper first (CPU ``addmm`` copies
-the bias into its output with ``copy_``, ``sum`` fills its output), so they
-count unless another such op is below them. By this rule an eager ``F.linear``
-with bias is 2 kernels on CPU (copy_ + addmm): the floor per linear the
-targets compare against.
-
-Kernels per linear forward: the compute leaves under each outermost
-``aten::linear`` (or direct ``batchrules::linear``) event are charged to that
-call, the copies that bring its input's batch dim into place included. The
-backward has no such attribution under stock torch.func (its autograd nodes
-are those of the decomposition), so it shows only in kernels per step.
+A compute op is an ATen op that is not a view, metadata or allocation op; a
+kernel is a compute op with no compute op below it in the profiler's CPU op
+tree (under vmap an op shows once per level, composite ops call others), one
+kernel launch each. GEMM, convolution, reduction and scatter ops count even
+when they call a helper first (CPU ``addmm`` copies the bias into its output,
+``sum`` fills it) unless another such op is below them. So an eager
+``F.linear`` with bias is 2 kernels on CPU (copy_ + addmm), the floor per
+linear the targets compare against. Per linear forward: the kernels under each
+outermost ``aten::linear`` (or ``batchrules::linear``) event, the copies that
+bring its input's batch dim into place included; the backward has no such
+attribution under stock torch.func, so it shows only in kernels per step.
 """
 import contextlib
 import os
