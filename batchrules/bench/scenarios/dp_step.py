@@ -23,6 +23,7 @@ from ..baselines.opacus_variants import cross_entropy_sum
 from ..case import Case, CaseSetup, Variant, stock_and_batchrules, vmap_identity
 from ..models import MlpSpec, cross_entropy, detached_params, in_float64, mlp, small_cnn
 from ..targets import PeakMemory, Speedup, Target
+from .per_sample_grads import per_sample_loop
 
 MAX_NORM = 1.0
 # Smooth activations (SiLU, GELU): at a ReLU's kink, float32 rounding of a
@@ -64,12 +65,7 @@ def clip_and_sum(per_sample: Dict[str, Tensor], max_norm: float) -> List[Tensor]
 
 def loop_reference(model: nn.Module, x: Tensor, y: Tensor) -> List[Tensor]:
     """float64: one backward per sample, then clip and sum."""
-    m64 = in_float64(model)
-    params = list(m64.parameters())
-    x64, y = x.cpu().double(), y.cpu()
-    rows = [torch.autograd.grad(cross_entropy(m64(x64[i:i + 1]), y[i:i + 1]), params)
-            for i in range(x.shape[0])]
-    return clip_and_sum({str(k): torch.stack(column) for k, column in enumerate(zip(*rows))}, MAX_NORM)
+    return clip_and_sum({str(k): g for k, g in enumerate(per_sample_loop(model, x, y))}, MAX_NORM)
 
 
 def summed_reference(model: nn.Module, x: Tensor, y: Tensor) -> List[Tensor]:
