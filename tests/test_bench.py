@@ -1,14 +1,10 @@
-"""Smoke tests of the benchmark instrument (``python -m batchrules.bench``).
-
-Timings are never asserted: only that the CLI runs (default, smoke, and
-without Opacus), its JSON holds every number, every variant (compiled twins
-included) matches the reference and the instruments count right. The report
-and the targets on synthetic results: ``test_bench_report.py``.
-"""
+"""Smoke tests of ``python -m batchrules.bench`` and its options: the default
+headline, ``--smoke`` with compiled twins, the DP rows, ``--list``/``--only``,
+without Opacus, without a C++ compiler, ``--distributed`` and ``--gpu-check``.
+Timings are never asserted; the timing method itself: ``test_bench_timing.py``."""
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -16,14 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchrules.bench.__main__ import compiled_tiers, main as bench_main
+from batchrules.bench.__main__ import compiled_tiers
+from batchrules.bench.__main__ import main as bench_main
 from batchrules.bench.baselines.opacus_variants import opacus_missing_reason
-from batchrules.bench.case import TIERS, Variant
-from batchrules.bench.compiled import (check_no_recompile, compile_failure, compile_now,
-                                       compiled_twin, fresh_function)
-from batchrules.bench.kernels import count_kernels, eager_linear_kernels
-from batchrules.bench.machine import steady_malloc
-from batchrules.bench.memory import peak_extra_bytes
+from batchrules.bench.case import TIERS
 from batchrules.bench.scenarios import all_cases
 from batchrules.bench.targets import COMPILED_TARGET
 
@@ -54,7 +46,8 @@ def smoke_record(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_smoke_json_structure(smoke_record: dict) -> None:
     assert smoke_record["all_correct"] is True
-    assert {"torch", "torch_threads", "device", "cpu", "eager_linear_kernels"} <= smoke_record["machine"].keys()
+    machine = smoke_record["machine"]
+    assert {"torch", "torch_threads", "device", "cpu", "eager_linear_kernels"} <= machine.keys()
     assert smoke_record["machine"]["steady_malloc"] is False  # Note [Steady malloc for timing]: a flag
     assert smoke_record["config"]["mode"] == "smoke"
     assert smoke_record["vmap_floor"]["median_s"] > 0
@@ -111,13 +104,6 @@ def test_smoke_compiled_twins(smoke_record: dict, case_index: int) -> None:
             assert v["compile_s"] is None and v["times_s"] is None
     targets = [t for t in smoke_record["targets"] if t["target"] == COMPILED_TARGET]
     assert any(t["case"].startswith(case["scenario"]) for t in targets) == (stock["not_compiled"] is None)
-
-
-def test_smoke_compiled_limit_ratios(smoke_record: dict) -> None:
-    rows = {r["case"]: r["ratios"] for r in smoke_record["compiled_limit_ratios"]}
-    assert set(rows) == {"ensemble_fwd_shared/small", "psg_mlp/b8"}  # eager_linear has no limit
-    for ratios in rows.values():
-        assert set(ratios) == {"batchrules", *TWINS} and all(v > 0 for v in ratios.values())
 
 
 def test_smoke_kernels_per_linear_forward(smoke_record: dict) -> None:
@@ -201,105 +187,53 @@ def test_compiled_tiers_per_mode_and_flag() -> None:
     assert tuple(compiled_tiers("full", False)) == ()
 
 
-def test_kernel_counter_on_known_ops() -> None:
-    x, w, b = torch.randn(8, 16), torch.randn(4, 16), torch.randn(4)
-    # CPU addmm copies the bias into its output, then runs the GEMM.
-    assert eager_linear_kernels(CPU) == 2
-    assert count_kernels(Variant("clone", lambda: x.clone()), CPU).per_step == 1
-    assert count_kernels(Variant("view", lambda: x.view(2, 64).t()), CPU).per_step == 0
-    counts = count_kernels(Variant("linear", lambda: torch.nn.functional.linear(x, w, b)), CPU)
-    assert (counts.linear_calls, counts.per_linear_forward) == (1, 2.0)
-    assert count_kernels(Variant("bmm", lambda: torch.bmm(x.view(2, 4, 16), x.view(2, 16, 4))), CPU).per_step == 1
+DP_SMOKE = ("dp_mlp/b8", "dp_cnn/b8", "dp_transformer/d64t16_b8")
+OPACUS_DP = ("opacus_hooks", "opacus_ghost")
 
 
-def test_peak_memory_counts_live_result() -> None:
-    peak = peak_extra_bytes(Variant("alloc", lambda: torch.empty(1 << 18)), CPU)
-    assert peak >= 4 << 18
+def test_dp_rows_match_their_references_and_evaluate_their_targets(tmp_path: Path) -> None:
+    """The DP rows (compiled twins are covered above): every variant matches its
+    reference (the Opacus ones where Opacus is installed, else skipped), peak
+    memory is recorded, the DP targets are evaluated."""
+    out = tmp_path / "dp.json"
+    proc = run_cli("--smoke", "--threads", "1", "--no-compiled", "--only", "dp_", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads(out.read_text())
+    assert [f"{c['scenario']}/{c['size']}" for c in record["cases"]] == list(DP_SMOKE)
+    missing = opacus_missing_reason()
+    for case in record["cases"]:
+        expected = {"stock", "batchrules", "clipped_grad", "nonprivate", *OPACUS_DP}
+        assert case["variants"].keys() == expected | ({"limit"} if case["scenario"] == "dp_mlp" else set())
+        for name, v in case["variants"].items():
+            assert v["error"] is None and v["skipped"] == (missing if name in OPACUS_DP else None), name
+            if v["skipped"] is None:
+                assert v["correct"] and v["peak_extra_bytes"] > 0, (case["scenario"], name)
+    by_case: dict = {}
+    for t in record["targets"]:
+        by_case.setdefault(t["case"], []).append(t["target"])
+    assert list(by_case) == list(DP_SMOKE)
+    assert all(any("peak memory" in t for t in ts) for ts in by_case.values())
+    # the step-time target against the non-private step: transformer rows and MLP batch >= 128
+    assert [c for c, ts in by_case.items() if any("non-private step (" in t for t in ts)] == [DP_SMOKE[2]]
 
 
-def test_breakdown_runs_every_layer() -> None:
-    """``python -m batchrules.bench.breakdown`` times every layer of its steps."""
-    import batchrules
-    from batchrules.bench import breakdown
-    from batchrules.bench.models import MlpSpec
-    from batchrules.bench.timing import TimingPlan
-
-    plan = TimingPlan(block_s=0.001, budget_s=0.05, min_repeats=3, max_repeats=3, warmup_calls=1)
-    steps = (("fwd", 2, MlpSpec((4, 6, 3)), 5, False),
-             ("train", 2, MlpSpec((4, 6, 3), "silu"), 5, True))
-    with batchrules.enabled():
-        lines = breakdown.run(steps, plan)
-    text = "\n".join(lines)
-    for layer in ("vmap identity", "+ functional_call", "vmap(grad) trivial", "direct F.linear",
-                  "user code", "limit", "SiLU backward per step"):
-        assert layer in text, text
+@pytest.mark.slow  # spawns 2 processes that import torch and run DDP and FSDP2
+def test_distributed_prints_its_table(capsys: pytest.CaptureFixture) -> None:
+    assert bench_main(["--distributed", "--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "TinyTransformer(d=32" in out
+    for wrapper in ("ddp", "fsdp2"):
+        rows = [line for line in out.splitlines() if line.startswith(wrapper)]
+        assert len(rows) == 2 and all("time <= 1.3x" in row for row in rows)
+        assert all(("memory <= 1.3x" in row) == (wrapper == "fsdp2") for row in rows)
 
 
-# ---- compiled twins -------------------------------------------------------------
-
-def test_fresh_function_has_its_own_code_object() -> None:
-    box = [1]
-    fn = lambda: box[0] + 1  # noqa: E731
-    fresh = fresh_function(fn, "twin")
-    assert fresh.__code__ is not fn.__code__ and fresh.__code__.co_name.endswith("twin")
-    box[0] = 41
-    assert fresh() == 42  # same closure cells
-    with pytest.raises(TypeError, match="plain Python function"):
-        fresh_function(torch.relu, "twin")
-
-
-def _vmapped_linear_step() -> tuple:
-    import torch.nn.functional as F
-    from torch.func import vmap
-
-    x, w, b = torch.randn(3, 5, 4), torch.randn(3, 6, 4), torch.randn(3, 6)
-    batched = vmap(F.linear)
-
-    def user_code() -> torch.Tensor:
-        return batched(x, w, b)
-
-    return user_code, torch.stack([F.linear(x[i], w[i], b[i]) for i in range(3)])
-
-
-COMPUTE = {"aten.bmm.default", "aten.baddbmm.default", "aten.mul.Scalar", "aten.add.Tensor"}
-
-
-def test_twins_are_separate_compilations_under_their_routing() -> None:
-    """One step function, two twins: each keeps the routing it was compiled
-    under (the routed graph is batchrules' batching rule, bmm + bias add as
-    traced (Note [GEMM and bias apart when traced]); stock's is functorch's addmm
-    decomposition, bmm, a scalar mul and the add)."""
-    from torch._dynamo.testing import AotEagerAndRecordGraphs
-
-    user_code, want = _vmapped_linear_step()
-    ops = {}
-    for routing in (False, True):
-        recorder = AotEagerAndRecordGraphs()
-        twin = compiled_twin(Variant("v", user_code, routing=routing, user_code=True), recorder)
-        result, seconds = compile_now(twin, lambda: None)
-        torch.testing.assert_close(result, want)
-        assert seconds > 0
-        check_no_recompile(twin)
-        assert len(recorder.fw_graphs) == 1
-        ops[routing] = [str(n.target) for n in recorder.fw_graphs[0].graph.nodes if n.op == "call_function"]
-    assert [op for op in ops[True] if op in COMPUTE] == ["aten.bmm.default", "aten.add.Tensor"]
-    assert [op for op in ops[False] if op in COMPUTE] == ["aten.bmm.default", "aten.mul.Scalar",
-                                                          "aten.add.Tensor"]
-
-
-def test_graph_break_is_a_one_line_compile_failure() -> None:
-    x = torch.randn(3, requires_grad=True)
-
-    def user_code() -> torch.Tensor:
-        return torch.autograd.grad(x.square().sum(), x)[0]
-
-    twin = compiled_twin(Variant("v", user_code, user_code=True), "eager")
-    with pytest.raises(Exception) as info:
-        compile_now(twin, lambda: None)
-    reason = compile_failure(info.value)
-    assert reason.startswith("did not compile: ") and "\n" not in reason
-
-
-def test_steady_malloc_where_glibc() -> None:
-    """Note [Steady malloc for timing]: mallopt succeeds wherever malloc is glibc's."""
-    assert steady_malloc() is (platform.libc_ver()[0] == "glibc")
+def test_gpu_check_without_a_gpu_says_so(tmp_path: Path) -> None:
+    """With no GPU visible the check says so plainly, in its output and
+    summary.json, and fails without a traceback."""
+    proc = run_cli("--gpu-check", str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "[gpu_check] no CUDA device visible to torch" in proc.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["error"] == "no CUDA device" and summary["ok"] is False and summary["steps"] == {}
+    assert summary["torch"] == str(torch.__version__) == summary["built_for_torch"]

@@ -10,27 +10,21 @@ import batchrules
 # Size tiers: "small" is overhead-bound (targets are looser there).
 TIERS = ("small", "medium", "large")
 # What a run covers, smallest first: ``smoke`` checks the bench runs (numbers
-# are noise); ``headline`` (the default) is one row per workload, about a
-# minute; ``quick`` every scenario at its named and small sizes; ``full`` every
+# are noise); ``headline`` (the default) is one row per workload, about
+# 40 s; ``quick`` every scenario at its named and small sizes; ``full`` every
 # size. Each scenario says which of its sizes each mode runs.
 MODES = ("smoke", "headline", "quick", "full")
 
 
 @dataclass
 class Variant:
-    """One way of computing the step.
-
-    ``fn`` runs one step and returns its result (a tensor, or a tuple/list/dict
-    of tensors) in the same order as the case's reference. ``routing`` is the
-    batchrules routing state the step runs under (None: irrelevant, left off).
-    ``user_code``: ``fn`` is the user's own code (a plain Python function), as
-    they would hand it to ``torch.compile``; the runner then adds a compiled
-    twin ``<name>_compiled`` (See Note [Compiled twins] in ``compiled.py``).
-    ``reference``: this variant's own float64 reference, for a variant that
-    computes something else than the case's (None: the case's). ``rtol``: the
-    check's tolerance where it is not the runner's (a step under bfloat16
-    autocast).
-    """
+    """One way of computing the step: ``fn`` runs one step and returns its result
+    (tensors, or a tuple/list/dict of them) in the order of the case's reference,
+    under the batchrules routing state ``routing`` (None: irrelevant, left off).
+    ``user_code``: ``fn`` is the user's own code (a plain Python function), which
+    gets a compiled twin (Note [Compiled twins]). ``reference``: this variant's own
+    float64 reference (None: the case's); ``rtol``: its own tolerance (None: the
+    runner's; a step under bfloat16 autocast)."""
 
     name: str
     fn: Callable[[], Any]
@@ -47,18 +41,22 @@ class Variant:
 @dataclass
 class CaseSetup:
     """The materialised case: its variants and a float64 reference result.
-
     ``floor``: ``vmap`` over a function returning its input, with the case's
-    inputs and in_dims: the cost of entering and leaving vmap for these
-    inputs, which no batching rule removes (it grows with their number).
-    ``skipped``: variants that could not be built here, and why (Opacus missing).
-    """
+    inputs and in_dims: the cost of entering and leaving vmap, which no batching
+    rule removes. ``skipped``: variants not built here, and why (Opacus missing)."""
 
     variants: List[Variant]
     reference: Callable[[], Any]
     notes: List[str] = field(default_factory=list)
     floor: Optional[Callable[[], Any]] = None
     skipped: Dict[str, str] = field(default_factory=dict)
+
+
+def stock_and_batchrules(fn: Callable[[], Any]) -> List[Variant]:
+    """The user's code with routing off ("stock") and on ("batchrules"), each
+    with a compiled twin where twins run."""
+    return [Variant("stock", fn, routing=False, user_code=True),
+            Variant("batchrules", fn, routing=True, user_code=True)]
 
 
 def vmap_identity(in_dims: Sequence[Any], args: Sequence[Any], returned: int = -1) -> Callable[[], Any]:

@@ -1,33 +1,20 @@
 """Compiled twins: ``torch.compile`` of the user-code variants.
 
 Note [Compiled twins]
-A variant flagged ``user_code=True`` runs the user's own torch.func code. The
-runner adds its twin ``<name>_compiled``: ``torch.compile(fn, fullgraph=True)``
-of the same step (Inductor, default mode), compiled and run under the same
-routing state, entered outside the compiled function. Routing acts while the
-transforms are traced, so the state at compile time is what the compiled code
-keeps; Dynamo does not guard on it and caches compiled code per code object.
-Each twin therefore compiles a fresh copy of the step's code object
-(``fresh_function``): the stock and batchrules twins are two compilations
-even though the eager variants share one function. fullgraph=True means a
-graph break is a failure, reported on the row with its reason, never a
-silently partial compile (whose resumed frames would share cache entries
-across the twins).
+A ``user_code`` variant's twin ``<name>_compiled`` is ``torch.compile(fn,
+fullgraph=True)`` (Inductor) of the same step under the same routing state.
+Routing acts while the transforms are traced and Dynamo neither guards on it nor
+caches other than per code object, so each twin compiles a fresh copy of the
+step's code object (``fresh_function``): the stock and batchrules twins are two
+compilations of one function. A graph break is a failure reported on the row.
 
 Note [Measuring compile time]
-Compile time is the wall time of a twin's first call (Dynamo tracing,
-AOTAutograd, Inductor code generation and C++/Triton compilation, plus one run
-of the step), synchronised on CUDA, and is excluded from the step timings.
-Every twin compiles from scratch: ``torch.compiler.config.force_disable_caches``
-turns off the FX graph and AOTAutograd caches and gives every Inductor
-compilation an empty kernel cache directory (under a temporary directory the
-bench removes at exit), so neither the user's on-disk cache nor a twin compiled
-earlier in the run is reused. The one-off cost of the first compilation in a
-process (imports, compiler detection) is paid by a warm-up compile before the
-cases and reported on its own. A second call under the ``fail_on_recompile``
-stance checks that the compiled code is reused (the peak-memory run, under
-the profiler, is checked the same way), so no compilation happens while the
-step is timed.
+A twin's first call (tracing, code generation, compilation and one run) is its
+compile time, excluded from the step timings. Caches are disabled and
+Inductor's cache directory is a temporary one, so every twin compiles from
+scratch; a warm-up compile first pays the process's one-off cost. A second call
+and the peak-memory run, under ``fail_on_recompile``, check that nothing
+compiles while the step is timed.
 """
 import contextlib
 import os
@@ -36,25 +23,24 @@ import time
 import types
 import warnings
 from typing import Any, Callable, ContextManager, Iterator, Tuple, Union
+from unittest import mock
 
 import torch
 
 from .case import Variant
-
-SUFFIX = "_compiled"
+from .timing import synchronizer
 
 
 def twin_name(name: str) -> str:
-    return name + SUFFIX
+    return name + "_compiled"
 
 
-def fresh_function(fn: Callable[[], Any], tag: str) -> types.FunctionType:
+def fresh_function(fn: Callable[..., Any], tag: str) -> types.FunctionType:
     """``fn`` with a code object of its own, so that Dynamo's per-code-object cache
     starts empty for it (same globals, defaults and closure cells)."""
     if not isinstance(fn, types.FunctionType):
-        raise TypeError(
-            f"a user_code variant's fn must be a plain Python function to be compiled as a twin, "
-            f"got {type(fn).__name__}")
+        raise TypeError(f"a user_code variant's fn must be a plain Python function to be compiled as a "
+                        f"twin, got {type(fn).__name__}")
     code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}__{tag}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
@@ -70,7 +56,7 @@ def compiled_twin(variant: Variant, backend: Union[str, Callable[..., Any]] = "i
 def compile_now(twin: Variant, sync: Callable[[], None]) -> Tuple[Any, float]:
     """Compiles the twin by calling it once with caches disabled; returns the
     step's result and the wall seconds the call took (Note [Measuring compile time])."""
-    with twin.context(), torch.compiler.config.patch(force_disable_caches=True), \
+    with twin.context(), mock.patch.object(torch.compiler.config, "force_disable_caches", True), \
             warnings.catch_warnings():
         # Dynamo says once that disabling caches disables its profile-guided dynamism too.
         warnings.filterwarnings("ignore", message=".*force disabled by")
@@ -109,22 +95,13 @@ def warm_up_compiler(device: torch.device) -> float:
     x, w = torch.randn(8, 16, device=device), torch.randn(16, 4, device=device)
     compiled = torch.compile(fresh_function(warm_up, "warm_up"), fullgraph=True)
     step = Variant("warm-up", lambda: compiled(x, w))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    return compile_now(step, sync)[1]
+    return compile_now(step, synchronizer(device))[1]
 
 
 @contextlib.contextmanager
 def private_inductor_cache() -> Iterator[str]:
     """Points Inductor's cache directory at a temporary one for the block (removed
     afterwards), so the run neither reads nor fills the user's cache."""
-    key = "TORCHINDUCTOR_CACHE_DIR"
-    previous = os.environ.get(key)
-    with tempfile.TemporaryDirectory(prefix="batchrules_bench_inductor_") as path:
-        os.environ[key] = path
-        try:
-            yield path
-        finally:
-            if previous is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = previous
+    with tempfile.TemporaryDirectory(prefix="batchrules_bench_inductor_") as path, \
+            mock.patch.dict(os.environ, TORCHINDUCTOR_CACHE_DIR=path):
+        yield path

@@ -1,43 +1,26 @@
-"""The DP step on 2 gloo ranks, DDP and FSDP2, against the non-private step
-under the same wrapper: ``python -m batchrules.bench.distributed [--smoke]``.
+"""``python -m batchrules.bench --distributed [--smoke]``: the DP step on 2 gloo
+ranks, under DDP and FSDP2, against the non-private step under the same wrapper.
 
-A separate entry point, not a scenario: the bench's runner checks and times
-a variant as a closure in its own process, while these steps are collectives
-between processes that must run the same steps in the same order.
-
-Each rank (1 thread) holds the example's transformer (``examples/dp_sgd.py``,
-float32) and its share of a fixed batch; per wrapper it alternates the two
-steps (a barrier before each, so the ranks start together) and reports the
-median of each step's time and, from five more steps run under the
-profiler, the least of their peak memory (``memory.peak_extra_bytes``:
-torch's CPU allocator records under the profiler, tensor storage allocated
-beyond what was live before the step; not RSS; see ``_measure`` for why the
-least). As in the main bench, the two steps alternate in rounds whose order
-rotates, the garbage collector is off while they are timed, and the time
-ratio is the median of the rounds' paired ratios (a miss whose threshold
-lies within their interquartile range is "noise"): the VM's speed drifts
-between rounds (one step 14 to 20 ms minutes apart), not within one.
-  DDP   non-private: zero_grad, ``loss.backward()`` through the DDP module,
-        SGD step; DP: ``dp_step`` (clipped_grad, the rank's shard of the
-        noise, one ``all_reduce_flat``, SGD step).
-  FSDP2 non-private: ``loss.backward()`` through the ``fully_shard``-ed
-        model, SGD step; DP: ``fsdp_step`` (``unsharded``, clipped_grad, one
-        ``reduce_scatter_flat``, each shard's noise, SGD step).
-Targets: each DP step <= 1.3x its wrapper's non-private step; per-rank peak
-memory under FSDP2 <= 1.3x the non-private FSDP2 step's.
+Not a scenario: these steps are collectives that the ranks must run in the same
+order. Each rank (1 thread) holds the example's transformer (``examples/dp_sgd.py``)
+and its share of a fixed batch; per wrapper it alternates the non-private step
+(``loss.backward()`` through the wrapper, SGD) and the DP one (``dp_step``:
+clipped_grad, its noise shard, one ``all_reduce_flat``; FSDP2: ``fsdp_step``, one
+``reduce_scatter_flat``) in rounds as the main bench does (Note [Why interleave],
+a barrier before each step) and reports each step's median time, the median and
+IQR of the rounds' paired dp/np ratios and the least of their peak memory.
+Targets: each DP step <= 1.3x its wrapper's non-private step (a miss whose
+threshold lies within the IQR is "noise"); per-rank peak memory under FSDP2
+<= 1.3x the non-private FSDP2 step's.
 """
-import argparse
 import copy
-import dataclasses
 import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -48,15 +31,14 @@ from ..dp.gc_pause import paused_gc
 from .case import Variant
 from .machine import steady_malloc
 from .memory import peak_extra_bytes
-from .timing import Stats, paired_ratios
+from .timing import Stats, paired_ratios, verdict
 
 WORLD = 2
 TIME_RATIO = 1.3
 MEMORY_RATIO = 1.3
 
 
-@dataclass(frozen=True)
-class Sizes:
+class Sizes(NamedTuple):
     d_model: int = 128
     heads: int = 4
     ff: int = 512
@@ -91,25 +73,22 @@ def _measure(steps: Dict[str, Callable[[], None]], sizes: Sizes) -> Dict[str, Di
     out = {}
     for name, step in steps.items():
         # Readings each after a step of its own kind: a step's peak counts the
-        # previous step's gradients freed during it, so one reading right
-        # after the other kind of step measures that step's leftovers. The
-        # least of them: FSDP's all-gather input buffers (a rank's shard of
-        # each block, 0.76 MiB here) are freed by whichever thread drops gloo's
-        # work object last, at times that vary between steps of either kind,
-        # so a reading holds them through the step or not (profiled: 7.23 or
-        # 7.99 MiB non-private, 8.86 or 9.61 MiB DP).
+        # previous step's gradients freed during it. The least of them: FSDP's
+        # all-gather input buffers are freed by whichever thread drops gloo's
+        # work object last, at times that vary from step to step, so a reading
+        # holds them through the step or not.
         peaks = []
         for _ in range(PEAK_READINGS):
             dist.barrier()
             peaks.append(peak_extra_bytes(Variant(name, step), torch.device("cpu")))
-        out[name] = {"times_s": times[name], "peak_bytes": None if None in peaks else min(peaks)}
+        read = [p for p in peaks if p is not None]
+        out[name] = {"times_s": times[name], "peak_bytes": min(read) if len(read) == len(peaks) else None}
     return out
 
 
 def _worker(rank: int, world: int, port: int, sizes: Sizes, out_dir: str) -> None:
     from batchrules.dp import all_reduce_flat
     from batchrules.examples import dp_sgd, dp_sgd_ranks
-
     dp_sgd_ranks._init(rank, world, port)
     if sizes.steady_malloc:
         steady_malloc()
@@ -158,25 +137,14 @@ def run(sizes: Sizes = FULL, timeout_s: float = 300.0) -> List[dict]:
     """Both wrappers on ``WORLD`` gloo ranks; returns each rank's results
     ``{wrapper: {step: {times_s, peak_bytes}}}``."""
     from batchrules.examples.dp_sgd_ranks import _spawn
-
     with tempfile.TemporaryDirectory() as out_dir:
-        _spawn(_worker, sizes, WORLD, timeout_s, out_dir)  # worker(rank, world, port, sizes, out_dir)
+        # worker(rank, world, port, sizes, out_dir): _spawn passes its second argument through
+        _spawn(_worker, cast(Any, sizes), WORLD, timeout_s, out_dir)
         ranks = []
         for r in range(WORLD):
             with open(os.path.join(out_dir, f"rank{r}.json")) as f:
                 ranks.append(json.load(f))
         return ranks
-
-
-def _met(ok: bool) -> str:
-    return "met" if ok else "MISSED"
-
-
-def _time_verdict(ratios: Stats) -> str:
-    """The main bench's verdict (targets.py): a miss within the IQR is noise."""
-    if ratios.median <= TIME_RATIO:
-        return "met"
-    return "noise" if ratios.quantile(0.25) <= TIME_RATIO else "MISSED"
 
 
 def table(ranks: List[dict], sizes: Sizes) -> str:
@@ -191,36 +159,25 @@ def table(ranks: List[dict], sizes: Sizes) -> str:
         for rank, result in enumerate(ranks):
             np_, dp = result[wrapper]["nonprivate"], result[wrapper]["dp"]
             ratios = paired_ratios(Stats(dp["times_s"]), Stats(np_["times_s"]))
-            ratio = ratios.median
             iqr = f"{ratios.quantile(0.25):.2f}-{ratios.quantile(0.75):.2f}"
-            notes = [f"time <= {TIME_RATIO}x {_time_verdict(ratios)}"]
-            mem = None
-            if np_["peak_bytes"] and dp["peak_bytes"] is not None:
-                mem = dp["peak_bytes"] / np_["peak_bytes"]
-                if wrapper == "fsdp2":
-                    notes.append(f"memory <= {MEMORY_RATIO}x {_met(mem <= MEMORY_RATIO)}")
-
-            def mib(b: Optional[int]) -> str:
-                return "n/a" if b is None else f"{b / 2**20:.2f}"
+            # timing.verdict for "at most": on the negated ratios
+            time_verdict = verdict(Stats([-r for r in ratios.times]), -TIME_RATIO)
+            notes = [f"time <= {TIME_RATIO}x {time_verdict.replace('missed', 'MISSED')}"]
+            peaks = (np_["peak_bytes"], dp["peak_bytes"])
+            mem = peaks[1] / peaks[0] if peaks[0] and peaks[1] is not None else None
+            if mem is not None and wrapper == "fsdp2":
+                notes.append(f"memory <= {MEMORY_RATIO}x {'met' if mem <= MEMORY_RATIO else 'MISSED'}")
+            mib = ["n/a" if b is None else f"{b / 2**20:.2f}" for b in peaks]
             lines.append(f"{wrapper:8} {rank:>4} {1e3 * statistics.median(np_['times_s']):13.2f} "
-                         f"{1e3 * statistics.median(dp['times_s']):8.2f} {ratio:6.2f} {iqr:>11} "
-                         f"{mib(np_['peak_bytes']):>11} {mib(dp['peak_bytes']):>11} "
-                         f"{'n/a' if mem is None else f'{mem:.2f}':>9}  {'; '.join(notes)}")
+                         f"{1e3 * statistics.median(dp['times_s']):8.2f} {ratios.median:6.2f} {iqr:>11} "
+                         f"{mib[0]:>11} {mib[1]:>11} {'n/a' if mem is None else f'{mem:.2f}':>9}  "
+                         + "; ".join(notes))
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m batchrules.bench.distributed",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="smallest sizes, 3 repeats: numbers are noise")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
-    p.add_argument("--steady-malloc", action="store_true",
-                   help="fix glibc's malloc thresholds in each rank (Note [Steady malloc for timing])")
-    args = p.parse_args(argv)
-    sizes = dataclasses.replace(SMOKE if args.smoke else FULL, steady_malloc=args.steady_malloc)
-    print(table(run(sizes, args.timeout), sizes))
-    sys.stdout.flush()
-
-
-if __name__ == "__main__":
-    main()
+def main(smoke: bool = False, steady: bool = False, timeout_s: float = 300.0) -> int:
+    """Runs both wrappers (``smoke``: tiny sizes, 3 repeats: numbers are noise;
+    ``steady``: Note [Steady malloc for timing] in each rank) and prints the table."""
+    sizes = (SMOKE if smoke else FULL)._replace(steady_malloc=steady)
+    print(table(run(sizes, timeout_s), sizes), flush=True)
+    return 0

@@ -25,10 +25,8 @@ def cpu_model() -> str:
 def git_commit() -> str:
     """The batchrules checkout's commit, when it is a git checkout."""
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(batchrules.__file__).parent,
-            capture_output=True, text=True, timeout=5,
-        )
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(batchrules.__file__).parent,
+                             capture_output=True, text=True, timeout=5)
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -42,16 +40,14 @@ def overloaded() -> Optional[float]:
 
 # Note [Steady malloc for timing]
 # torch's CPU allocator takes every tensor from malloc. glibc serves a large
-# block by mmap, and on freeing it raises its mmap threshold and its trim
-# threshold, or trims the heap back to the OS: whether the next step's large
-# temporaries arrive as fresh pages to fault in depends on what ran before.
-# A kernel's time then varies between runs, not only between calls: oneDNN's
-# weight gradient of a 512->512 3x3 convolution on 1x1 inputs (batch 16)
-# takes 2.2 ms in one process and 10.5 ms in the next. Fixing both
-# thresholds (what jemalloc/tcmalloc, which torch's CPU tuning guide
-# recommends, do by design) makes every variant pay the same, and steadier.
-# It also makes stock vmap(grad)'s large per-sample gradients cheaper (the
-# DP MLP row's stock step 200-360 ms -> 60-140 ms), so it is a flag
+# block by mmap, and on freeing it raises its mmap and trim thresholds, or trims
+# the heap back to the OS: whether the next step's large temporaries arrive as
+# fresh pages to fault in depends on what ran before, so a kernel's time varies
+# between runs, not only between calls (oneDNN's weight gradient of a large
+# convolution on tiny inputs, several times over). Fixing both thresholds (what
+# jemalloc/tcmalloc, which torch's CPU tuning guide recommends, do by design)
+# makes every variant pay the same, and steadier. It also makes stock
+# vmap(grad)'s large per-sample gradients much cheaper, so it is a flag
 # (--steady-malloc), off by default: the default run measures what a user's
 # default environment gets.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -89,7 +85,6 @@ def machine_info(device: torch.device) -> Dict[str, Any]:
         info["cuda"] = torch.version.cuda
     try:
         import opacus
-
         info["opacus"] = opacus.__version__
     except ImportError:
         info["opacus"] = None

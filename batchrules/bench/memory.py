@@ -1,14 +1,11 @@
 """Peak extra memory of one step.
 
 Note [How peak memory is measured]
-CUDA: ``torch.cuda.max_memory_allocated()`` after resetting the peak, minus
-what was allocated before the step: the caching allocator's own accounting.
-CPU: torch has no CPU allocator statistics, and tracemalloc does not see
-torch's allocations. The profiler with ``profile_memory=True`` records every
-allocation and free of torch's CPU allocator with its size and timestamp;
-the peak of their running sum over the step is the most memory the step held
-at once beyond what existed before it, its returned result included. Both
-measure tensor storage only (no allocator slack, no Python objects).
+CUDA: the caching allocator's peak during the step minus what was allocated
+before it. CPU: torch keeps no CPU allocator statistics and tracemalloc does not
+see its allocations, but the profiler (``profile_memory=True``) records every
+allocation and free of torch's CPU allocator: the peak of their running sum over
+the step, its returned result included. Both count tensor storage only.
 """
 import gc
 from typing import Optional

@@ -1,7 +1,6 @@
 """The networks the scenarios run, and their stacked (ensemble) form."""
 import copy
-from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -11,10 +10,8 @@ from torch.func import stack_module_state
 ACTIVATIONS = {"relu": nn.ReLU, "silu": nn.SiLU}
 
 
-@dataclass(frozen=True)
-class MlpSpec:
+class MlpSpec(NamedTuple):
     """Layer widths (input first) and the hidden activation."""
-
     sizes: Tuple[int, ...]
     act: str = "relu"
 

@@ -1,16 +1,13 @@
-"""The results table (text) and the JSON record."""
+"""The results tables (text), the JSON record and the speedup plot."""
 import json
 from dataclasses import asdict
 from typing import Any, Dict, List, Optional
 
 from .compiled import twin_name
 from .runner import CaseResult, VariantResult
-from .targets import LimitRatios, TargetCheck
+from .targets import TargetCheck
 from .timing import Stats
 
-
-# The variants that run the vmapped user code.
-VMAPPED = ("stock", "batchrules")
 STOCK_COMPILED = twin_name("stock")
 
 
@@ -19,18 +16,15 @@ def fmt_time(seconds: Optional[float]) -> str:
         return "-"
     if abs(seconds) < 1e-3:
         return f"{seconds * 1e6:.1f}us"
-    if abs(seconds) < 1.0:
-        return f"{seconds * 1e3:.2f}ms"
-    return f"{seconds:.3f}s"
+    return f"{seconds * 1e3:.2f}ms" if abs(seconds) < 1.0 else f"{seconds:.3f}s"
 
 
 def fmt_bytes(n: Optional[int]) -> str:
     if n is None:
         return "-"
-    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return f"{n}B"
+    scaled = [f"{n / scale:.1f}{unit}" for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10))
+              if n >= scale]
+    return scaled[0] if scaled else f"{n}B"
 
 
 def _median(stats: Optional[Stats]) -> Optional[float]:
@@ -41,34 +35,24 @@ def variant_numbers(result: CaseResult, vr: VariantResult) -> Dict[str, Any]:
     """Every number of one variant, as stored in the JSON record."""
     s, k, c = vr.stats, vr.kernels, vr.check
     median = s.median if s else None
-    # The floor is vmap's: it means something only for the variants that vmap
-    # (and only cases that vmap have one).
-    floor = result.floor.median if result.floor and vr.name in VMAPPED else None
+    # The floor is vmap's: it means something only for the variants that vmap.
+    floor = result.floor.median if result.floor and vr.name in ("stock", "batchrules") else None
     return {
-        "median_s": median,
-        "q1_s": s.quantile(0.25) if s else None,
-        "q3_s": s.quantile(0.75) if s else None,
-        "iqr_s": s.iqr if s else None,
-        "times_s": s.times if s else None,
+        "median_s": median, "q1_s": s.quantile(0.25) if s else None, "q3_s": s.quantile(0.75) if s else None,
+        "iqr_s": s.iqr if s else None, "times_s": s.times if s else None,
         # paired per-repeat ratios (timing.paired_ratios), not ratios of medians
         "speedup_vs_stock": _median(result.ratio("stock", vr.name)),
         "speedup_vs_stock_compiled": _median(result.ratio(STOCK_COMPILED, vr.name)) if vr.compiled else None,
         "ratio_to_limit": _median(result.ratio(vr.name, "limit")),
         "above_vmap_floor_s": median - floor if median is not None and floor is not None else None,
-        "max_abs_err": c.max_abs_err if c else None,
-        "reference_scale": c.scale if c else None,
-        "correct": c.ok if c else False,
-        "check_message": c.message if c else None,
-        "error": vr.error,
+        "max_abs_err": c.max_abs_err if c else None, "reference_scale": c.scale if c else None,
+        "correct": c.ok if c else False, "check_message": c.message if c else None, "error": vr.error,
         "kernels_per_step": k.per_step if k else None,
         "kernels_per_linear_forward": k.per_linear_forward if k else None,
         "linear_calls": k.linear_calls if k else None,
         "device_kernels_per_step": k.device_kernels_per_step if k else None,
-        "peak_extra_bytes": vr.peak_bytes,
-        "compiled": vr.compiled,
-        "compile_s": vr.compile_s,
-        "not_compiled": vr.not_compiled,
-        "skipped": vr.skipped,
+        "peak_extra_bytes": vr.peak_bytes, "compiled": vr.compiled, "compile_s": vr.compile_s,
+        "not_compiled": vr.not_compiled, "skipped": vr.skipped,
     }
 
 
@@ -80,19 +64,12 @@ COLUMNS = (
 
 
 def _row(cells: List[str]) -> str:
-    return " ".join(
-        c.ljust(w) if i < 2 else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS))
-    )
+    return " ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS)))
 
 
 def table(results: List[CaseResult]) -> str:
-    """One line per variant: median, spread, ratios, error, kernels, memory.
-
-    ``-floor`` (small sizes only): median minus the case's vmap floor, the
-    part of the time the transform's fixed cost does not explain. Compiled
-    twins add ``vs s.comp`` (time(stock_compiled) / time(twin)) and
-    ``compile`` (seconds of the compiling call, not part of the median).
-    """
+    """One line per variant: median, spread, ratios, error, kernels, memory
+    (the columns are described in the package's docstring)."""
     lines = [_row([name for name, _ in COLUMNS]), "-" * (sum(w for _, w in COLUMNS) + len(COLUMNS))]
     for r in results:
         for i, (name, vr) in enumerate(r.variants.items()):
@@ -115,8 +92,8 @@ def table(results: List[CaseResult]) -> str:
                 f"{n['speedup_vs_stock_compiled']:.2f}x" if n["speedup_vs_stock_compiled"] else "",
                 f"{n['ratio_to_limit']:.2f}" if n["ratio_to_limit"] else "-",
                 err,
-                f"{n['kernels_per_linear_forward']:.1f}" if n["kernels_per_linear_forward"] is not None else "-",
-                str(n["kernels_per_step"]) if n["kernels_per_step"] is not None else "-",
+                "-" if n["kernels_per_linear_forward"] is None else f"{n['kernels_per_linear_forward']:.1f}",
+                "-" if n["kernels_per_step"] is None else str(n["kernels_per_step"]),
                 fmt_bytes(n["peak_extra_bytes"]), above,
                 f"{n['compile_s']:.1f}s" if n["compile_s"] is not None else "",
             ]))
@@ -177,10 +154,9 @@ def targets_text(checks: List[TargetCheck]) -> str:
     for target in dict.fromkeys(c.target for c in checks):
         group = [c for c in checks if c.target == target]
         met = sum(c.verdict == "met" for c in group)
-        noise = sum(c.verdict == "noise" for c in group)
-        skipped = sum(c.verdict == "skipped" for c in group)
-        lines.append(f"{target}: {met}/{len(group) - skipped} met"
-                     + (f", {noise} within noise" if noise else "") + (f", {skipped} skipped" if skipped else ""))
+        noise, skipped = (sum(c.verdict == v for c in group) for v in ("noise", "skipped"))
+        noted = (f", {noise} within noise" if noise else "") + (f", {skipped} skipped" if skipped else "")
+        lines.append(f"{target}: {met}/{len(group) - skipped} met{noted}")
         for c in group:
             if c.verdict == "skipped":
                 lines.append(f"    skipped {c.case:30} {c.detail}")
@@ -190,38 +166,19 @@ def targets_text(checks: List[TargetCheck]) -> str:
     return "\n".join(lines)
 
 
-def limit_ratios_text(rows: List[LimitRatios]) -> str:
-    """The compiled small rows' time relative to the limit, one line per case."""
-    lines = ["compiled small rows, time / limit (printed, no threshold):"]
-    for row in rows:
-        lines.append(f"    {row.case:30} " + "  ".join(f"{n} {v:.2f}" for n, v in row.ratios.items()))
-    return "\n".join(lines) if rows else ""
-
-
-def to_json(
-    results: List[CaseResult], floor: Optional[Stats], checks: List[TargetCheck],
-    machine: Dict[str, Any], config: Dict[str, Any], limit_ratios: Optional[List[LimitRatios]] = None,
-) -> str:
-    floor_s = floor.median if floor else None
-    cases = []
-    for r in results:
-        cases.append({
-            "scenario": r.case.scenario, "size": r.case.size, "tier": r.case.tier,
-            "description": r.case.description, "n_linears": r.case.n_linears, "notes": r.notes,
-            "vmap_floor_s": r.floor.median if r.floor else None,
-            "variants": {name: variant_numbers(r, vr) for name, vr in r.variants.items()},
-        })
-    record = {
-        "machine": machine,
-        "config": config,
-        "vmap_floor": {"median_s": floor_s, "iqr_s": floor.iqr if floor else None,
+def to_json(results: List[CaseResult], floor: Optional[Stats], checks: List[TargetCheck],
+            machine: Dict[str, Any], config: Dict[str, Any]) -> str:
+    cases = [{"scenario": r.case.scenario, "size": r.case.size, "tier": r.case.tier,
+              "description": r.case.description, "n_linears": r.case.n_linears, "notes": r.notes,
+              "vmap_floor_s": r.floor.median if r.floor else None,
+              "variants": {name: variant_numbers(r, vr) for name, vr in r.variants.items()}} for r in results]
+    return json.dumps({
+        "machine": machine, "config": config,
+        "vmap_floor": {"median_s": floor.median if floor else None, "iqr_s": floor.iqr if floor else None,
                        "times_s": floor.times if floor else None},
-        "cases": cases,
-        "targets": [asdict(c) for c in checks],
-        "compiled_limit_ratios": [asdict(r) for r in limit_ratios or []],
+        "cases": cases, "targets": [asdict(c) for c in checks],
         "all_correct": all_correct(results),
-    }
-    return json.dumps(record, indent=1)
+    }, indent=1)
 
 
 def _acceptable(result: CaseResult, vr: VariantResult) -> bool:
@@ -239,3 +196,39 @@ def all_correct(results: List[CaseResult]) -> bool:
     compiled twin may fail to compile only where the stock twin does too (the
     flow, not batchrules, is what torch.compile cannot handle)."""
     return all(_acceptable(r, vr) for r in results for vr in r.variants.values())
+
+
+BAR_VARIANTS = ("batchrules", "limit", "opacus", "stock_routed", "stock_compiled", "batchrules_compiled")
+
+
+def plot_speedups(results: List[CaseResult], path: str) -> Optional[str]:
+    """Speedup bars per case (matplotlib is optional); returns None, or a
+    message when the figure cannot be drawn."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "--plot needs matplotlib (pip install matplotlib); no plot written"
+    names = [r.case.name for r in results]
+    variants = [v for v in BAR_VARIANTS if any(v in r.variants for r in results)]
+    width = 0.8 / max(len(variants), 1)
+    fig, ax = plt.subplots(figsize=(max(10.0, 0.6 * len(names)), 5.5))
+    for j, variant in enumerate(variants):
+        speedups = []
+        for r in results:
+            ratios = r.ratio("stock", variant)
+            speedups.append(ratios.median if ratios is not None else 0.0)
+        xs = [i + (j - (len(variants) - 1) / 2) * width for i in range(len(names))]
+        ax.bar(xs, speedups, width, label=variant)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_ylabel("speedup vs stock torch.func (median paired ratio, log)")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
+    ax.legend()
+    ax.set_title("batchrules benchmark: higher is faster")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None

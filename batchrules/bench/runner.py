@@ -1,27 +1,70 @@
-"""Runs one case: check every variant, count its kernels and memory, time them."""
+"""Runs one case: check every variant against its float64 reference, count its
+kernels and memory, time them."""
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+from torch import Tensor
 
 from .case import Case, Variant, vmap_identity
-from .check import CheckResult, compare
-from .compiled import (check_no_recompile, compile_failure, compile_now, compiled_twin, no_recompile,
-                       twin_name)
+from .compiled import check_no_recompile, compile_failure, compile_now, compiled_twin, no_recompile, twin_name
 from .kernels import KernelCounts, count_kernels
 from .memory import peak_extra_bytes
 from .timing import Stats, TimingPlan, paired_ratios, synchronizer, time_interleaved
 
-# Relative tolerance of float32 results against the float64 reference.
-RTOL = 1e-4
+# Tolerances of float32 results against the float64 reference (see compare).
+RTOL, ABS_TOL = 1e-4, 1e-6
 # The name the case's vmap floor is timed under (not a variant: never checked).
 FLOOR = "vmap floor"
 
 
+def flatten_result(result: Any) -> List[Tensor]:
+    """Tensors of a result in a fixed order (dicts by insertion order)."""
+    if isinstance(result, Tensor):
+        return [result]
+    if isinstance(result, dict):
+        result = list(result.values())
+    if isinstance(result, (list, tuple)):
+        return [t for item in result for t in flatten_result(item)]
+    raise TypeError(f"a step must return tensors, got {type(result).__name__}")
+
+
+@dataclass
+class CheckResult:
+    """Largest absolute error against the reference, and whether it is acceptable."""
+
+    max_abs_err: float
+    scale: float
+    ok: bool
+    message: str = ""
+
+
+def compare(result: Any, reference: Any, rtol: float) -> CheckResult:
+    """Max abs error; acceptable within ``rtol`` of the reference's largest entry
+    (GEMM outputs' rounding error scales with the magnitude of the sums;
+    ``ABS_TOL`` only keeps all-zero references meaningful)."""
+    got, want = flatten_result(result), flatten_result(reference)
+    if len(got) != len(want):
+        return CheckResult(float("inf"), 0.0, False, f"{len(got)} outputs, expected {len(want)}")
+    err, scale = 0.0, 0.0
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g.shape != w.shape:
+            return CheckResult(float("inf"), 0.0, False,
+                               f"output {i} has shape {tuple(g.shape)}, expected {tuple(w.shape)}")
+        w = w.detach().to(device="cpu", dtype=torch.float64)
+        err = max(err, (g.detach().to(device="cpu", dtype=torch.float64) - w).abs().max().item())
+        scale = max(scale, w.abs().max().item())
+    ok = err <= rtol * scale + ABS_TOL
+    return CheckResult(err, scale, ok, "" if ok else f"max abs err {err:.3g} > {rtol:g} x {scale:.3g}")
+
+
 @dataclass
 class VariantResult:
-    """Everything measured about one variant of a case."""
+    """Everything measured about one variant of a case. A compiled twin (Note
+    [Compiled twins]) has ``compile_s``, or ``not_compiled`` saying why (then
+    nothing else is set); ``skipped``: not run here, and why (its baseline's
+    package is missing)."""
 
     name: str
     check: Optional[CheckResult] = None
@@ -29,12 +72,9 @@ class VariantResult:
     stats: Optional[Stats] = None
     kernels: Optional[KernelCounts] = None
     peak_bytes: Optional[int] = None
-    # Compiled twins only (Note [Compiled twins]): seconds of the compiling call,
-    # or why compilation failed (then ``error`` is None and nothing else is set).
     compiled: bool = False
     compile_s: Optional[float] = None
     not_compiled: Optional[str] = None
-    # Not run here, and why (its baseline's package is missing); nothing else is set.
     skipped: Optional[str] = None
 
 
@@ -49,12 +89,8 @@ class CaseResult:
         v = self.variants.get(variant)
         return v.stats if v is not None else None
 
-    def median(self, variant: str) -> Optional[float]:
-        s = self.stats(variant)
-        return s.median if s is not None else None
-
     def ratio(self, numerator: str, denominator: str) -> Optional[Stats]:
-        """Paired per-repeat time ratios (see ``paired_ratios``), if both were timed."""
+        """Paired per-repeat time ratios (``paired_ratios``), if both were timed."""
         n, d = self.stats(numerator), self.stats(denominator)
         return paired_ratios(n, d) if n is not None and d is not None else None
 
@@ -73,11 +109,6 @@ def _error(exc: BaseException) -> str:
     last = traceback.extract_tb(exc.__traceback__)[-1:]
     where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{where}"
-
-
-def _reference_of(v: Variant, case_reference: Any) -> Any:
-    """The variant's own float64 reference where it has one, else the case's."""
-    return case_reference if v.reference is None else v.reference()
 
 
 def _prepare(v: Variant, vr: VariantResult, reference: Any, device: torch.device,
@@ -121,18 +152,14 @@ def _prepare_twin(source: Variant, vr: VariantResult, reference: Any,
     return twin
 
 
-def run_case(
-    case: Case,
-    device: torch.device,
-    plan: TimingPlan,
-    on_stage: Callable[[str], None] = lambda stage: None,
-    compiled: bool = False,
-) -> CaseResult:
-    """Builds the case, then for each variant: correctness check (which also
-    warms it up), kernel count, peak memory; with ``compiled``, the compiled
-    twins of its user-code variants follow (Note [Compiled twins]); finally
-    times the variants that ran, interleaved. A variant that raises (or a twin
-    that does not compile) is reported, not timed."""
+def run_case(case: Case, device: torch.device, plan: TimingPlan,
+             on_stage: Callable[[str], None] = lambda stage: None, compiled: bool = False) -> CaseResult:
+    """Builds the case, then for each variant: correctness check against its own
+    float64 reference or the case's (which also warms it up), kernel count, peak
+    memory; with ``compiled``, the compiled twins of its user-code variants
+    follow; finally times the variants that ran, interleaved, with the case's
+    vmap floor. A variant that raises (or a twin that does not compile) is
+    reported, not timed."""
     result = CaseResult(case)
     on_stage("setup")
     setup = case.build(device)
@@ -144,25 +171,21 @@ def run_case(
     for v in setup.variants:
         vr = result.variants[v.name] = VariantResult(v.name)
         on_stage(f"check {v.name}")
-        if _prepare(v, vr, _reference_of(v, reference), device, on_stage):
+        if _prepare(v, vr, reference if v.reference is None else v.reference(), device, on_stage):
             runnable.append(v)
     for v in setup.variants if compiled else []:
-        if not v.user_code:
-            continue
-        name = twin_name(v.name)
-        vr = result.variants[name] = VariantResult(name)
-        on_stage(f"compile {name}")
-        twin = _prepare_twin(v, vr, _reference_of(v, reference), device)
-        if twin is not None:
-            runnable.append(twin)
+        if v.user_code:
+            name = twin_name(v.name)
+            vr = result.variants[name] = VariantResult(name)
+            on_stage(f"compile {name}")
+            twin = _prepare_twin(v, vr, reference if v.reference is None else v.reference(), device)
+            if twin is not None:
+                runnable.append(twin)
     del reference
     if runnable:
-        # The floor is timed in the same rounds, so it can be paired with them.
         floor = [Variant(FLOOR, setup.floor)] if setup.floor is not None else []
-        stats = time_interleaved(
-            runnable + floor, plan, synchronizer(device),
-            on_repeat=lambda done, total: on_stage(f"timing {done}/{total}"),
-        )
+        stats = time_interleaved(runnable + floor, plan, synchronizer(device),
+                                 on_repeat=lambda done, total: on_stage(f"timing {done}/{total}"))
         result.floor = stats.pop(FLOOR, None)
         for name, s in stats.items():
             result.variants[name].stats = s

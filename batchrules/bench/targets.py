@@ -1,25 +1,17 @@
-"""Evaluating performance targets on measured results.
-
-A scenario declares each case's targets (``Case.targets``) from the kinds
-here; ``evaluate`` applies them, plus the compiled-twin target every row with
-twins has. Targets are measured, never asserted in tests. Speed targets use
-the median of paired per-repeat ratios; a miss whose threshold still lies
-within the ratios' interquartile range is reported as "noise" rather than
-missed. A target whose variant was skipped (Opacus missing) is reported as
-skipped, with the reason.
-
-Compiled twins (Note [Compiled twins]) have one target, on every row where
-both were timed: batchrules compiled is never slower than stock compiled.
-A batchrules twin that does not compile where the stock one does misses it.
-The compiled small rows' time relative to the limit is printed, with no
-threshold (``compiled_limit_ratios``).
+"""Performance targets, declared per case by its scenario (``Case.targets``) and
+evaluated on the measured results, never asserted. Speed targets use the median
+of paired per-repeat ratios (``timing.verdict``: a miss within their spread is
+"noise"); a target whose variant was skipped is reported skipped, with the reason.
+Every row with compiled twins (Note [Compiled twins]) has one more target:
+batchrules compiled is not slower than stock compiled (a batchrules twin that
+does not compile where the stock one does misses it).
 """
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 from .compiled import twin_name
 from .runner import CaseResult
-from .timing import Stats
+from .timing import Stats, paired_ratios, verdict
 
 STOCK_COMPILED, BATCHRULES_COMPILED = twin_name("stock"), twin_name("batchrules")
 COMPILED_TARGET = (f"compiled: not slower than stock compiled "
@@ -47,51 +39,31 @@ def _skipped(label: str, result: CaseResult, names: Sequence[str]) -> Optional[T
 
 @dataclass(frozen=True)
 class Speedup:
-    """Median of paired ``time(slow) / time(fast)`` >= threshold (``fast``
-    minus the case's vmap floor when ``above_floor``)."""
+    """Median of paired ``time(slow) / time(fast)`` >= threshold. ``slow``: a
+    variant, or several (then the fastest of them, repeat by repeat);
+    ``above_floor``: ``fast`` minus the case's vmap floor."""
 
     label: str
-    slow: str
+    slow: Union[str, Tuple[str, ...]]
     fast: str
     threshold: float
     above_floor: bool = False
 
     def check(self, result: CaseResult, linear_floor: int) -> Optional[TargetCheck]:
-        skipped = _skipped(self.label, result, (self.slow, self.fast))
+        slow = (self.slow,) if isinstance(self.slow, str) else self.slow
+        skipped = _skipped(self.label, result, (*slow, self.fast))
         if skipped is not None:
             return skipped
-        ratios = (result.ratio_above_floor(self.slow, self.fast) if self.above_floor
-                  else result.ratio(self.slow, self.fast))
+        *slow_stats, fast = [result.stats(name) for name in (*slow, self.fast)]
+        if fast is None or any(s is None for s in slow_stats):
+            return None
+        best = Stats([min(times) for times in zip(*(s.times for s in slow_stats if s))])
+        ratios = (result.ratio_above_floor(slow[0], self.fast) if self.above_floor
+                  else paired_ratios(best, fast))
         if ratios is None:
             return None
-        value = ratios.median
-        verdict = ("met" if value >= self.threshold
-                   else "noise" if ratios.quantile(0.75) >= self.threshold else "missed")
-        return TargetCheck(self.label, result.case.name, value, self.threshold, verdict)
-
-
-@dataclass(frozen=True)
-class SpeedupOverBest:
-    """Median of paired ``min(time(s) for s in slow) / time(fast)`` >= threshold:
-    against the faster of several baselines, repeat by repeat."""
-
-    label: str
-    slow: Tuple[str, ...]
-    fast: str
-    threshold: float
-
-    def check(self, result: CaseResult, linear_floor: int) -> Optional[TargetCheck]:
-        skipped = _skipped(self.label, result, (*self.slow, self.fast))
-        if skipped is not None:
-            return skipped
-        slow, fast = [result.stats(name) for name in self.slow], result.stats(self.fast)
-        if fast is None or any(s is None for s in slow):
-            return None
-        ratios = Stats([min(times) / t for *times, t in zip(*(s.times for s in slow), fast.times)])
-        value = ratios.median
-        verdict = ("met" if value >= self.threshold
-                   else "noise" if ratios.quantile(0.75) >= self.threshold else "missed")
-        return TargetCheck(self.label, result.case.name, value, self.threshold, verdict)
+        return TargetCheck(self.label, result.case.name, ratios.median, self.threshold,
+                           verdict(ratios, self.threshold))
 
 
 @dataclass(frozen=True)
@@ -131,7 +103,7 @@ class PeakMemory:
                            f"{v.peak_bytes / 2**20:.1f}MB vs {base.peak_bytes / 2**20:.1f}MB")
 
 
-Target = Union[Speedup, SpeedupOverBest, KernelsPerLinear, PeakMemory]
+Target = Union[Speedup, KernelsPerLinear, PeakMemory]
 NOT_SLOWER = Speedup("not slower than stock (stock / batchrules >= 1)", "stock", "batchrules", 1.0)
 # Outside transforms routing must cost nothing (it acts under transforms only).
 ROUTING_FREE_IN_EAGER = Speedup("eager: stock op / the same op with routing on >= 0.98",
@@ -175,28 +147,3 @@ def evaluate(results: List[CaseResult], linear_floor: int) -> List[TargetCheck]:
         checks.append(_compiled_check(r))
         checks.extend(t.check(r, linear_floor) for t in r.case.targets)
     return [c for c in checks if c is not None]
-
-
-@dataclass
-class LimitRatios:
-    """Median paired time(variant) / time(limit) of one case's variants."""
-
-    case: str
-    ratios: Dict[str, float]
-
-
-def compiled_limit_ratios(results: List[CaseResult]) -> List[LimitRatios]:
-    """For the small rows with a timed compiled twin: how far eager batchrules and
-    the compiled twins are from the hand-written limit (printed, not a target)."""
-    rows = []
-    for r in results:
-        if r.case.tier != "small" or not any(r.stats(n) for n in (STOCK_COMPILED, BATCHRULES_COMPILED)):
-            continue
-        ratios = {}
-        for name in ("batchrules", STOCK_COMPILED, BATCHRULES_COMPILED):
-            stats = r.ratio(name, "limit")
-            if stats is not None:
-                ratios[name] = stats.median
-        if ratios:
-            rows.append(LimitRatios(r.case.name, ratios))
-    return rows

@@ -1,12 +1,9 @@
-"""The third-party models of the DP rows (scenarios/dp_third_party.py), from
-configs with random weights (no downloads), each with its batch: a
-``Problem``, the model as a ``Logits`` over a tuple of batched inputs, the
-inputs, the targets and a criterion that sums the samples' losses. Every
-dropout probability is 0, and the models stay in training mode (Opacus'
-hooks record only there). The packages are imported when a model is built:
-a missing one raises ImportError there."""
+"""The third-party models of the DP rows (``scenarios/dp_third_party.py``) from
+configs with random weights, dropout 0, in training mode (Opacus' hooks record
+only there), each a ``Problem``: the model as a ``Logits`` over a tuple of
+batched inputs, the inputs, the targets and a criterion summing the samples'
+losses. A missing package raises ImportError when its model is built."""
 import functools
-from dataclasses import dataclass
 from typing import Callable, NamedTuple, Tuple
 
 import torch
@@ -16,10 +13,8 @@ from torch import Tensor, nn
 IMAGE_BATCH = 16
 
 
-@dataclass(frozen=True)
-class Size:
+class Size(NamedTuple):
     """A transformer's size and its batch."""
-
     layers: int = 4
     d: int = 256
     heads: int = 4
@@ -30,7 +25,6 @@ class Size:
     @property
     def name(self) -> str:
         return f"l{self.layers}d{self.d}t{self.tokens}_b{self.batch}"
-
 
 
 class LmLoss(nn.Module):
@@ -61,7 +55,6 @@ class Logits(nn.Module):
 
     def forward(self, inputs: Tuple[Tensor, ...]) -> Tensor:
         return self.call(self.model, *inputs)
-
 
 
 class Problem(NamedTuple):
@@ -130,7 +123,7 @@ def bert_problem(size: Size, device: torch.device) -> Problem:
     torch.manual_seed(0)
     config = BertConfig(vocab_size=size.vocab, hidden_size=size.d, num_hidden_layers=size.layers,
                         num_attention_heads=size.heads, intermediate_size=4 * size.d,
-                        max_position_embeddings=size.tokens, num_labels=2, hidden_dropout_prob=0.0,
+                        max_position_embeddings=size.tokens, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
     model = Logits(BertForSequenceClassification(config), _bert_logits).to(device)
     gen = torch.Generator().manual_seed(1)

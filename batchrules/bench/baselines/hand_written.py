@@ -1,9 +1,6 @@
-"""Hand-written baselines: what an expert writes without vmap.
-
-Each function computes exactly what its scenario's torch.func code computes,
-with batched GEMMs called directly (addmm / baddbmm / bmm), and with manual
-backward passes where torch.func would use ``grad``. These are the "limit"
-the batchrules rows are measured against.
+"""Hand-written baselines, the "limit" rows: what an expert writes without vmap,
+computing exactly what the scenario's torch.func code computes with batched
+GEMMs called directly and manual backward passes where torch.func uses ``grad``.
 """
 from typing import Dict, List, Sequence, Tuple
 
@@ -81,10 +78,11 @@ def _outer(g: Tensor, a: Tensor) -> Tensor:
     return g.unsqueeze(2) * a.unsqueeze(1)
 
 
-def mlp_forward_recorded(layers: Sequence[Layer], act: str, x: Tensor, y: Tensor
-                         ) -> Tuple[List[Tensor], List[Tensor], Tensor]:
-    """One MLP forward keeping each layer's input and pre-activation: ``(inputs,
-    pre_acts, g)`` with ``g`` the per-sample cross-entropy gradient of the logits."""
+def mlp_output_grads(layers: Sequence[Layer], act: str, x: Tensor, y: Tensor
+                     ) -> Tuple[List[Tensor], List[Tensor]]:
+    """One MLP forward keeping each layer's input, one manual backward of the
+    per-sample cross-entropy keeping each layer's output gradient (no weight
+    gradient): ``(inputs, output_grads)``, per layer."""
     inputs, pre_acts = [], []
     h = x
     for i, (w, b) in enumerate(layers):
@@ -92,23 +90,21 @@ def mlp_forward_recorded(layers: Sequence[Layer], act: str, x: Tensor, y: Tensor
         z = torch.addmm(b, h, w.t())
         pre_acts.append(z)
         h = activation(z, act) if i < len(layers) - 1 else z
-    return inputs, pre_acts, cross_entropy_grad(h, y)
-
-
-def mlp_per_sample_grads(
-    layers: Sequence[Layer], act: str, x: Tensor, y: Tensor
-) -> List[Tensor]:
-    """Per-sample gradients of ``cross_entropy(mlp(x_i), y_i)``, manual backward."""
-    inputs, pre_acts, g = mlp_forward_recorded(layers, act, x, y)
-    grads: List[Tensor] = []
+    g = cross_entropy_grad(h, y)
+    grads: List[Tensor] = [g] * len(layers)
     for i in reversed(range(len(layers))):
         if i < len(layers) - 1:
             g = activation_backward(g, pre_acts[i], act)
-        grads.append(g)
-        grads.append(_outer(g, inputs[i]))
+        grads[i] = g
         if i > 0:
             g = torch.mm(g, layers[i][0])
-    return grads[::-1]
+    return inputs, grads
+
+
+def mlp_per_sample_grads(layers: Sequence[Layer], act: str, x: Tensor, y: Tensor) -> List[Tensor]:
+    """Per-sample gradients of ``cross_entropy(mlp(x_i), y_i)``, manual backward."""
+    inputs, grads = mlp_output_grads(layers, act, x, y)
+    return [t for a, g in zip(inputs, grads) for t in (_outer(g, a), g)]
 
 
 def _conv_per_sample_grads(g: Tensor, a: Tensor, weight_shape: torch.Size) -> List[Tensor]:
@@ -144,3 +140,21 @@ def per_sample_weights_forward(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2
     """Two linears with per-sample weights: [B, N, I] -> [B, N, O] as two baddbmm."""
     h = F.silu(torch.baddbmm(b1.unsqueeze(1), x, w1.transpose(1, 2)))
     return torch.baddbmm(b2.unsqueeze(1), h, w2.transpose(1, 2))
+
+
+def mlp_bookkeeping(layers: Sequence[Layer], act: str, x: Tensor, y: Tensor,
+                    max_norm: float) -> Tuple[List[Tensor], Tensor]:
+    """DP-SGD clipping by book-keeping, the DP MLP rows' limit (Bu et al., ICML
+    2023): each layer's input ``a`` and output gradient ``g``, per-sample norms
+    from the factors (``||g_i||^2 (||a_i||^2 + 1)`` for a layer's weight and
+    bias), then each layer's clipped sum as one GEMM of the scaled g against a.
+    Returns ``([gW0, gb0, gW1, gb1, ...], norms)`` of cross-entropy per sample."""
+    inputs, grads = mlp_output_grads(layers, act, x, y)
+    squares = [g.square().sum(1) * (a.square().sum(1) + 1) for a, g in zip(inputs, grads)]
+    norms = sum(squares[1:], squares[0]).sqrt()
+    coef = (max_norm / (norms + 1e-6)).clamp(max=1.0).unsqueeze(1)
+    sums: List[Tensor] = []
+    for a, g in zip(inputs, grads):
+        scaled = g * coef
+        sums += [torch.mm(scaled.t(), a), scaled.sum(0)]  # B,O x B,I -> O,I
+    return sums, norms

@@ -1,45 +1,24 @@
-"""Hand-written baselines of the recurrent scenarios (``scenarios/recurrent.py``).
-
-- ``ensemble_recurrence``: N stacked LSTMs or GRUs run as one batched
-  recurrence: each layer's input projection for every time step in one GEMM,
-  then one ``baddbmm`` per step for the hidden projection of all members.
-  Plain tensor ops, so autograd gives the ensemble's training step.
-- ``member_loop``: the loop a user writes without vmap: one eager fused
-  ``torch._VF.lstm`` / ``torch._VF.gru`` call per member.
-- ``lstm_classifier_per_sample_grads``: per-sample gradients of a 1-layer LSTM
-  classifier (last hidden state -> linear -> cross-entropy): one batched
-  forward keeping the gates, backpropagation through time by hand, and each
-  weight's per-sample gradient one ``bmm`` over time.
-
-Gate order as PyTorch's: LSTM ``i, f, g, o``; GRU ``r, z, n`` with
-``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``. Zero initial state,
-``batch_first`` sequences, no dropout.
+"""Hand-written baselines of the recurrent rows (``scenarios/recurrent.py``):
+the members' stacked recurrence, the per-member loop of fused calls, and an LSTM
+classifier's per-sample gradients by backpropagation through time. Gate order
+as PyTorch's: LSTM ``i, f, g, o``; GRU ``r, z, n`` with ``n = tanh(W_in x + b_in
++ r * (W_hn h + b_hn))``. Zero initial state, ``batch_first``, no dropout.
 """
-from typing import List, Sequence, Tuple
+from typing import List, Sequence
 
 import torch
 from torch import Tensor
 
 from .hand_written import cross_entropy_grad
 
-GATES = {"lstm": 4, "gru": 3}
-# One layer's stacked weights: w_ih [N, G*H, I], w_hh [N, G*H, H], b_ih [N, G*H], b_hh [N, G*H].
-RnnLayer = Tuple[Tensor, Tensor, Tensor, Tensor]
-
 
 def _input_projection(x: Tensor, w_ih: Tensor, bias: Tensor) -> Tensor:
-    """Every time step's input projection of every member in one GEMM: ``x``
-    [B, T, I] shared by the members, or [N, B, T, I]. Returns [N, B, T, G*H]."""
+    """Every member's input projection of every time step of ``x`` [B, T, I] in
+    one GEMM: B*T,I x I,N*G*H -> B*T,N*G*H, read as [N, B, T, G*H] without a copy."""
     members, gh, in_f = w_ih.shape
-    if x.dim() == 3:
-        batch, steps, _ = x.shape
-        # B*T,I x I,N*G*H -> B*T,N*G*H, read as [N, B, T, G*H] without a copy
-        w = w_ih.reshape(members * gh, in_f)
-        z = torch.addmm(bias.reshape(-1), x.reshape(batch * steps, in_f), w.t())
-        return z.view(batch, steps, members, gh).permute(2, 0, 1, 3)
-    _, batch, steps, _ = x.shape
-    z = torch.baddbmm(bias.unsqueeze(1), x.reshape(members, batch * steps, in_f), w_ih.transpose(1, 2))
-    return z.view(members, batch, steps, gh)
+    batch, steps, _ = x.shape
+    z = torch.addmm(bias.reshape(-1), x.reshape(batch * steps, in_f), w_ih.reshape(members * gh, in_f).t())
+    return z.view(batch, steps, members, gh).permute(2, 0, 1, 3)
 
 
 def _lstm_layer(xp: Tensor, w_hh: Tensor) -> Tensor:
@@ -78,43 +57,32 @@ def _gru_layer(xp: Tensor, w_hh: Tensor, b_hh: Tensor) -> Tensor:
     return torch.stack(outputs, 2)
 
 
-def ensemble_recurrence(kind: str, layers: Sequence[RnnLayer], x: Tensor) -> Tensor:
-    """N stacked ``nn.LSTM``/``nn.GRU`` (batch_first, zero initial state) on
-    ``x`` [B, T, I] (shared) or [N, B, T, I]. Returns the last layer's
-    outputs [N, B, T, H]."""
-    h = x
-    for w_ih, w_hh, b_ih, b_hh in layers:
-        if kind == "lstm":
-            h = _lstm_layer(_input_projection(h, w_ih, b_ih + b_hh), w_hh)
-        else:
-            h = _gru_layer(_input_projection(h, w_ih, b_ih), w_hh, b_hh)
-    return h
+def ensemble_recurrence(kind: str, weights: Sequence[Tensor], x: Tensor) -> Tensor:
+    """N stacked 1-layer ``nn.LSTM``/``nn.GRU`` (``weights``: w_ih, w_hh, b_ih,
+    b_hh, each [N, ...]) on the shared ``x`` [B, T, I]. Returns their outputs [N, B, T, H]."""
+    w_ih, w_hh, b_ih, b_hh = weights
+    if kind == "lstm":
+        return _lstm_layer(_input_projection(x, w_ih, b_ih + b_hh), w_hh)
+    return _gru_layer(_input_projection(x, w_ih, b_ih), w_hh, b_hh)
 
 
-def member_loop(kind: str, members: Sequence[Sequence[Tensor]], x: Tensor, num_layers: int = 1) -> Tensor:
+def member_loop(kind: str, members: Sequence[Sequence[Tensor]], x: Tensor) -> Tensor:
     """One eager fused call per member (``members[e]``: its flat weights in
     ``nn.LSTM``'s ``_flat_weights`` order) on the shared ``x`` [B, T, I].
     Returns [N, B, T, H]."""
-    hidden = members[0][1].shape[-1]
-    h0 = x.new_zeros(num_layers, x.shape[0], hidden)
-    outputs = []
-    for weights in members:
-        if kind == "lstm":
-            out = torch._VF.lstm(x, (h0, h0), list(weights), True, num_layers, 0.0, True, False, True)[0]
-        else:
-            out = torch._VF.gru(x, h0, list(weights), True, num_layers, 0.0, True, False, True)[0]
-        outputs.append(out)
-    return torch.stack(outputs)
+    h0 = x.new_zeros(1, x.shape[0], members[0][1].shape[-1])
+    if kind == "lstm":
+        return torch.stack([torch._VF.lstm(x, (h0, h0), list(w), True, 1, 0.0, True, False, True)[0]
+                            for w in members])
+    return torch.stack([torch._VF.gru(x, h0, list(w), True, 1, 0.0, True, False, True)[0] for w in members])
 
 
-def lstm_classifier_per_sample_grads(
-    w_ih: Tensor, w_hh: Tensor, b_ih: Tensor, b_hh: Tensor, w_out: Tensor, b_out: Tensor,
-    x: Tensor, y: Tensor,
-) -> List[Tensor]:
+def lstm_classifier_per_sample_grads(weights: Sequence[Tensor], x: Tensor, y: Tensor) -> List[Tensor]:
     """Per-sample gradients of ``cross_entropy(linear(lstm(x_i)[-1]), y_i)``
     for a 1-layer LSTM (I -> H, zero initial state) and a linear head (H -> C).
-    ``x`` [B, T, I], ``y`` [B]. Returns the gradients of ``w_ih, w_hh, b_ih,
-    b_hh, w_out, b_out`` (nn.Module order), each with a leading B."""
+    ``weights``: ``w_ih, w_hh, b_ih, b_hh, w_out, b_out`` (nn.Module order), ``x``
+    [B, T, I], ``y`` [B]. Returns their gradients, each with a leading B."""
+    w_ih, w_hh, b_ih, b_hh, w_out, b_out = weights
     batch, steps, in_f = x.shape
     hidden = w_hh.shape[1]
     h1, h2, h3 = hidden, 2 * hidden, 3 * hidden

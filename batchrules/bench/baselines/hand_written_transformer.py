@@ -1,12 +1,8 @@
-"""Hand-written transformer baseline: one nn.TransformerEncoderLayer
-(post-norm, relu, batch-first) over a stack of weight sets.
-
-One batched forward written with bmm over a stack of weights (the members'
-own, or for per-sample gradients the shared weights expanded per sample,
-stride 0) and one autograd backward through it: the gradient w.r.t. each
-stacked copy is that member's (sample's) gradient. Attention runs the fused
-SDPA kernel on the folded [stack * batch, H, T, hd] batch, as the batchrules
-rule does under vmap.
+"""Hand-written transformer baseline: one nn.TransformerEncoderLayer (post-norm,
+relu, batch-first) over a stack of weight sets (the members', or the shared
+weights expanded per sample, stride 0), written with bmm, and one autograd
+backward through it: the gradient of each stacked copy is that member's
+(sample's). Attention runs SDPA on the folded [stack * batch, H, T, hd] batch.
 """
 from typing import Dict, List
 

@@ -1,9 +1,8 @@
 """The Opacus variants: per-sample gradients (GradSampleModule hooks) and DP-SGD clipping."""
-import contextlib
 import copy
 import importlib
 import warnings
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -31,56 +30,40 @@ def with_opacus(setup: CaseSetup, names: Sequence[str], build: Callable[[], List
     return setup
 
 
-@contextlib.contextmanager
-def quiet_input_hooks() -> Iterator[None]:
-    """Opacus' backward hooks fire on module outputs because the input needs no
-    grad, as intended here; torch warns about that on every step."""
+def _hooked_backward(loss: Tensor, params: Iterable[Any]) -> List[Tensor]:
+    """``loss.backward()`` through Opacus' hooks, then each parameter's
+    ``grad_sample``, dropped from the parameter so that, as for the other
+    variants, the caller holds the only copy of a step's result. (The hooks fire
+    on module outputs because the input needs no grad, as intended here; torch
+    warns about that on every step.)"""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        yield
-
-
-def release(params: Iterable[nn.Parameter]) -> None:
-    """Drops the parameters' gradients so that, as for the other variants, the
-    caller holds the only copy of a step's result between steps."""
+        loss.backward()
+    grads = []
     for p in params:
-        p.grad_sample = None
-        p.grad = None
+        grads.append(p.grad_sample)
+        p.grad_sample = p.grad = None
+    return grads
 
 
-def opacus_variant(
-    model: nn.Module, x: Tensor, y: Tensor, loss_sum: Callable[[Tensor, Tensor], Tensor]
-) -> Variant:
+def opacus_variant(model: nn.Module, x: Tensor, y: Tensor, loss_sum: Callable[[Tensor, Tensor], Tensor]
+                   ) -> Variant:
     """Per-sample gradients the Opacus way: forward the batch, backward a summed
-    loss, read ``p.grad_sample``. ``loss_sum`` must reduce by sum, so that each
-    sample's gradient is that of its own loss."""
+    loss (each sample's gradient is that of its own loss), read ``p.grad_sample``."""
     from opacus import GradSampleModule
-
     module = GradSampleModule(copy.deepcopy(model), batch_first=True, loss_reduction="sum")
-    params: List[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
-
-    def step() -> List[Tensor]:
-        with quiet_input_hooks():
-            loss_sum(module(x), y).backward()
-        grads = [p.grad_sample for p in params]
-        release(params)
-        return grads
-
-    return Variant("opacus", step)
+    params = [p for p in module.parameters() if p.requires_grad]
+    return Variant("opacus", lambda: _hooked_backward(loss_sum(module(x), y), params))
 
 
 def opacus_encoder_variant(model: nn.Module, seq_first: nn.Module, x: Tensor, y: Tensor) -> Variant:
     """Per-sample gradients of a batch-first nn.TransformerEncoderLayer ``model``
-    with Opacus' DPMultiheadAttention (ModuleValidator.fix); gradients of the
-    split q/k/v projections are concatenated back into in_proj's layout.
-
-    Runs ``seq_first``, the same layer built with batch_first=False, holding
-    ``model``'s weights: Opacus 1.6's DPMultiheadAttention with batch_first=True
-    merges the heads in the wrong order (its output differs from
-    nn.MultiheadAttention's), sequence-first it computes the same function."""
+    with Opacus' DPMultiheadAttention (ModuleValidator.fix), the split q/k/v
+    gradients concatenated back into in_proj's layout. Runs ``seq_first``, the
+    layer built with batch_first=False, holding ``model``'s weights: Opacus 1.6's
+    DPMultiheadAttention with batch_first=True merges the heads in the wrong order."""
     from opacus import GradSampleModule
     from opacus.validators import ModuleValidator
-
     seq_first.load_state_dict(model.state_dict())
     fixed = ModuleValidator.fix(seq_first)
     module = GradSampleModule(fixed, batch_first=False, loss_reduction="sum")
@@ -93,14 +76,10 @@ def opacus_encoder_variant(model: nn.Module, seq_first: nn.Module, x: Tensor, y:
     x_t, y_t = x.transpose(0, 1), y.transpose(0, 1)  # T, B, d
 
     def step() -> List[Tensor]:
-        with quiet_input_hooks():
-            # per-sample mean squared error, summed: each sample's gradient is its own
-            (module(x_t) - y_t).pow(2).mean(dim=(0, 2)).sum().backward()
-        grads = [torch.cat([w.grad_sample for w in split_w], dim=1),
-                 torch.cat([b.grad_sample for b in split_b], dim=1)]
-        grads += [p.grad_sample for p in ordered]
-        release(module.parameters())
-        return grads
+        # per-sample mean squared error, summed: each sample's gradient is its own
+        w_q, w_k, w_v, b_q, b_k, b_v, *grads = _hooked_backward(
+            (module(x_t) - y_t).pow(2).mean(dim=(0, 2)).sum(), [*split_w, *split_b, *ordered])
+        return [torch.cat([w_q, w_k, w_v], dim=1), torch.cat([b_q, b_k, b_v], dim=1), *grads]
 
     return Variant("opacus", step)
 
@@ -122,19 +101,20 @@ class _ClonedOutput(nn.Module):
         return self.cloned_output_of(x).clone()
 
 
-def _opacus_ready(model: nn.Module) -> Tuple[nn.Module, Callable[[List[Tensor]], List[Tensor]]]:
+Reference = Callable[[nn.Module], List[Tensor]]
+
+
+def _opacus_ready(model: nn.Module, reference_of: Reference
+                  ) -> Tuple[nn.Module, Callable[[List[Tensor]], List[Tensor]], Optional[Callable[[], Any]]]:
     """A copy of the model as an Opacus user trains it: ModuleValidator.fix
     swaps the layers Opacus cannot hook (nn.MultiheadAttention ->
-    DPMultiheadAttention, with the same weights, its packed in-projection
-    split into q/k/v linears), and no hooked layer's output is modified in
-    place (Opacus' backward hooks refuse that: torchvision's ResNet adds the
-    residual into its last GroupNorm's output, ``out += identity``, then
-    applies ReLU(inplace=True)): in-place activations become out-of-place and
-    each GroupNorm's output is cloned. Also returns the map from gradients of
-    the copy's trainable parameters to gradients in the model's parameter
-    order (the clones keep the parameter names' order, not their names)."""
+    DPMultiheadAttention, its packed in-projection split into q/k/v linears),
+    and no hooked layer's output is modified in place, which Opacus' hooks
+    refuse (torchvision's ResNet adds the residual into a GroupNorm's output,
+    then applies ReLU(inplace=True)). Also returns the map from the copy's
+    gradients to the model's parameter order, and the variant's own reference
+    where it needs one (None: the case's)."""
     from opacus.validators import ModuleValidator
-
     fixed = ModuleValidator.fix(copy.deepcopy(model))
     for module in fixed.modules():
         if getattr(module, "inplace", False) is True:
@@ -160,32 +140,20 @@ def _opacus_ready(model: nn.Module) -> Tuple[nn.Module, Callable[[List[Tensor]],
                 out.append(torch.cat([by_name[f"{prefix}.{q}linear.{part}"] for q in "qkv"]))
         return out
 
-    return fixed, to_model_order
+    # Where ModuleValidator.fix changed the model it computes another function
+    # (DPMultiheadAttention with batch_first=True, see opacus_encoder_variant).
+    changed = [n for n, _ in fixed.named_parameters()] != [n for n, _ in model.named_parameters()]
+    pristine = copy.deepcopy(fixed) if changed else model  # before Opacus' hooks are attached
 
+    def reference() -> List[Tensor]:
+        *sums, norms = reference_of(pristine)
+        return [*to_model_order(sums), norms]
 
-Reference = Callable[[nn.Module], List[Tensor]]
-
-
-def _own_reference(variant: Variant, model: nn.Module, fixed: nn.Module,
-                   to_model_order: Callable[[List[Tensor]], List[Tensor]],
-                   reference_of: Reference) -> Variant:
-    """Where ModuleValidator.fix changed the model, the variant is checked
-    against the fixed model's own reference: Opacus 1.6's DPMultiheadAttention
-    with batch_first=True reshapes its heads' outputs without moving the
-    head dim back, a different function from nn.MultiheadAttention's."""
-    if [n for n, _ in fixed.named_parameters()] != [n for n, _ in model.named_parameters()]:
-        pristine = copy.deepcopy(fixed)  # before Opacus' hooks are attached to ``fixed``
-
-        def reference() -> List[Tensor]:
-            *sums, norms = reference_of(pristine)
-            return [*to_model_order(sums), norms]
-
-        variant.reference = reference
-    return variant
+    return fixed, to_model_order, reference if changed else None
 
 
 def opacus_clip_variant(
-    model: nn.Module, x: Tensor, y: Tensor, loss_sum: Callable[[Tensor, Tensor], Tensor],
+    model: nn.Module, x: Any, y: Tensor, loss_sum: Callable[[Tensor, Tensor], Tensor],
     max_norm: float, reference_of: Reference,
 ) -> Variant:
     """``opacus_hooks``: GradSampleModule's per-sample gradients, then the
@@ -193,44 +161,31 @@ def opacus_clip_variant(
     parameters, factor min(1, C / (norm + 1e-6)), einsum). Returns the clipped
     sums and the norms."""
     from opacus import GradSampleModule
-
-    fixed, to_model_order = _opacus_ready(model)
-    variant = _own_reference(Variant("opacus_hooks", lambda: []), model, fixed, to_model_order,
-                             reference_of)
+    fixed, to_model_order, reference = _opacus_ready(model, reference_of)
     module = GradSampleModule(fixed, batch_first=True, loss_reduction="sum")
     params = [p for p in module.parameters() if p.requires_grad]
 
     def step() -> List[Tensor]:
-        with quiet_input_hooks():
-            loss_sum(module(x), y).backward()
-        samples = [p.grad_sample for p in params]
+        samples = _hooked_backward(loss_sum(module(x), y), params)
         norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in samples], 1).norm(2, dim=1)
         factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)
-        sums = [torch.einsum("i,i...", factor, g) for g in samples]
-        release(params)
-        return [*to_model_order(sums), norms]
+        return [*to_model_order([torch.einsum("i,i...", factor, g) for g in samples]), norms]
 
-    variant.fn = step
-    return variant
+    return Variant("opacus_hooks", step, reference=reference)
 
 
 def opacus_ghost_variant(
-    model: nn.Module, x: Tensor, y: Tensor, criterion_sum: nn.Module, max_norm: float,
+    model: nn.Module, x: Any, y: Tensor, criterion_sum: nn.Module, max_norm: float,
     reference_of: Reference,
 ) -> Variant:
     """``opacus_ghost``: what ``make_private(..., grad_sample_mode="ghost")``
-    runs: GradSampleModuleFastGradientClipping, DPOptimizerFastGradientClipping
-    and DPLossFastGradientClipping, whose ``backward()`` is two backward passes
-    (norms from the hooks, then the loss reweighted by the clipping factors).
-    Returns the parameters' ``.grad`` (the clipped sums; no noise) and the
-    norms."""
+    runs, whose ``backward()`` is two backward passes (norms from the hooks, then
+    the loss reweighted by the clipping factors). Returns the clipped sums (the
+    parameters' ``.grad``, no noise) and the norms."""
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
-
-    fixed, to_model_order = _opacus_ready(model)
-    variant = _own_reference(Variant("opacus_ghost", lambda: []), model, fixed, to_model_order,
-                             reference_of)
+    fixed, to_model_order, reference = _opacus_ready(model, reference_of)
     module = GradSampleModuleFastGradientClipping(
         fixed, batch_first=True, loss_reduction="sum", max_grad_norm=max_norm,
         use_ghost_clipping=True)
@@ -241,12 +196,12 @@ def opacus_ghost_variant(
     criterion = DPLossFastGradientClipping(module, optimizer, criterion_sum, loss_reduction="sum")
 
     def step() -> List[Tensor]:
-        with quiet_input_hooks():
+        with warnings.catch_warnings():  # as in _hooked_backward
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
             criterion(module(x), y).backward()
         sums = [p.grad for p in params]
         for p in params:
             p.grad = None
         return [*to_model_order(sums), module.per_sample_gradient_norms]
 
-    variant.fn = step
-    return variant
+    return Variant("opacus_ghost", step, reference=reference)

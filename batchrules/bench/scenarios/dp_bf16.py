@@ -1,15 +1,10 @@
-"""The DP transformer row under bfloat16 autocast, against itself in float32.
-
-Variants (the loss's forward under ``torch.autocast(device, torch.bfloat16)``
-in the ``_bf16`` ones, the cross-entropy in float32):
-  clipped_grad, clipped_grad_bf16   batchrules.clipped_grad
-  nonprivate, nonprivate_bf16       forward + backward of the summed loss
-The bf16 variants are checked against the same float64 references as the
-float32 ones, within ``BF16_RTOL`` of the largest entry (a few bf16 roundings
-through the layer). Target: the bf16 DP step faster than the float32 one,
-where the machine has bf16 kernels (oneDNN's on a CPU with avx512_bf16 or
-AMX; any CUDA device) — elsewhere the row only reports.
+"""The DP transformer row under bfloat16 autocast (the loss's forward; the
+cross-entropy in float32) against itself in float32: clipped_grad and the
+non-private step, each checked against the float64 references within
+``BF16_RTOL``. Target, where the machine has bf16 kernels (oneDNN's on a CPU
+with avx512_bf16 or AMX; any CUDA device): the bf16 DP step faster than float32.
 """
+import dataclasses
 from typing import Callable, Dict, List
 
 import torch
@@ -22,7 +17,7 @@ from ..baselines.opacus_variants import cross_entropy_sum
 from ..case import Case, CaseSetup, Variant
 from ..models import cross_entropy, detached_params
 from ..targets import Speedup
-from .dp_step import MAX_NORM, Encoder, loop_reference, summed_reference
+from .dp_step import MAX_NORM, Encoder, clipped_grad_variant, loop_reference, summed_reference
 
 BF16_RTOL = 5e-2
 D_MODEL, HEADS, FF, TOKENS, BATCH = 256, 8, 1024, 32, 32
@@ -38,18 +33,14 @@ def _build(device: torch.device) -> CaseSetup:
     y = torch.randint(0, 10, (BATCH,), device=device)
     params, trainable = detached_params(model), list(model.parameters())
 
-    def dp_step(bf16: bool) -> Callable[[], List[Tensor]]:
+    def dp_step(bf16: bool) -> Variant:
         def sample_loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
             with _autocast(device, bf16):
                 logits = functional_call(model, p, (xi.unsqueeze(0),))
             return cross_entropy(logits.float(), yi.unsqueeze(0))
 
-        clipped = batchrules.clipped_grad(sample_loss, MAX_NORM)
-
-        def step() -> List[Tensor]:
-            sums, norms = clipped(params, x, y)
-            return [*sums.values(), norms]
-        return step
+        variant = clipped_grad_variant(batchrules.clipped_grad(sample_loss, MAX_NORM), params, x, y)
+        return dataclasses.replace(variant, name="clipped_grad_bf16", rtol=BF16_RTOL) if bf16 else variant
 
     def nonprivate(bf16: bool) -> Callable[[], List[Tensor]]:
         def step() -> List[Tensor]:
@@ -61,12 +52,10 @@ def _build(device: torch.device) -> CaseSetup:
     def summed() -> List[Tensor]:
         return summed_reference(model, x, y)
 
-    return CaseSetup([
-        Variant("clipped_grad", dp_step(False)),
-        Variant("clipped_grad_bf16", dp_step(True), rtol=BF16_RTOL),
-        Variant("nonprivate", nonprivate(False), reference=summed),
-        Variant("nonprivate_bf16", nonprivate(True), reference=summed, rtol=BF16_RTOL),
-    ], reference=lambda: loop_reference(model, x, y))
+    return CaseSetup([dp_step(False), dp_step(True),
+                      Variant("nonprivate", nonprivate(False), reference=summed),
+                      Variant("nonprivate_bf16", nonprivate(True), reference=summed, rtol=BF16_RTOL)],
+                     reference=lambda: loop_reference(model, x, y))
 
 
 def has_bf16_kernels() -> bool:

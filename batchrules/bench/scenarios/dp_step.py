@@ -1,21 +1,15 @@
-"""DP-SGD scenarios: the clipped sum of per-sample gradients, and the norms.
-
-Variants of one step (max_norm 1, cross-entropy per sample):
-  stock / batchrules  vmap(grad(loss)) then clip and sum (routing off / on)
-  clipped_grad        batchrules.clipped_grad: one forward, one backward
-  opacus_hooks        Opacus GradSampleModule, then DPOptimizer's clipping
-  opacus_ghost        Opacus ghost clipping (make_private(grad_sample_mode="ghost"))
-  limit               hand-written book-keeping (MLP only, baselines/dp_bookkeeping.py)
-  nonprivate          forward + backward of the summed loss: the summed
-                      gradients (checked against its own reference)
-Each returns the clipped sums (parameter order) then the norms, checked
-against a float64 per-sample loop. Targets: clipped_grad within 1.2x of the
-non-private step (where the step is large enough for the fixed costs not to
-dominate), 1.5x faster than Opacus ghost clipping, 20x faster than stock
-vmap(grad)+clip at MLP batch 128, and within 1.3x of the non-private step's
-peak memory.
+"""DP-SGD rows: one step's clipped sums (parameter order) then the per-sample
+norms (max_norm 1, cross-entropy per sample), checked against a float64
+per-sample loop. Variants: stock / batchrules (vmap(grad) then clip and sum,
+routing off / on); clipped_grad; opacus_hooks (GradSampleModule, then
+DPOptimizer's clipping); opacus_ghost (``make_private(grad_sample_mode="ghost")``);
+limit (hand-written book-keeping, MLP only); nonprivate (the summed gradients).
+Targets: clipped_grad <= 1.2x the non-private step where the step is large
+enough for fixed costs not to dominate, >= 1.5x faster than ghost clipping,
+>= 20x faster than stock at MLP batch 128, peak memory <= 1.3x the non-private step's.
 """
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+import functools
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -23,19 +17,19 @@ from torch.func import functional_call, grad, vmap
 
 import batchrules
 
-from ..case import Case, CaseSetup, Variant, vmap_identity
-from ..baselines.dp_bookkeeping import mlp_bookkeeping
-from ..baselines.opacus_variants import (cross_entropy_sum, opacus_clip_variant, opacus_ghost_variant,
-                                         with_opacus)
+from ..baselines import hand_written
+from ..baselines import opacus_variants as opacus
+from ..baselines.opacus_variants import cross_entropy_sum
+from ..case import Case, CaseSetup, Variant, stock_and_batchrules, vmap_identity
 from ..models import MlpSpec, cross_entropy, detached_params, in_float64, mlp, small_cnn
 from ..targets import PeakMemory, Speedup, Target
+from .per_sample_grads import per_sample_loop
 
 MAX_NORM = 1.0
 # Smooth activations (SiLU, GELU): at a ReLU's kink, float32 rounding of a
-# pre-activation within ~1e-8 of zero flips the mask, and that sample's
-# gradient differs from the float64 reference by far more than rounding
-# (seen at batch 512: one sample 3% off for stock vmap(grad)), which no
-# tolerance tells from a bug.
+# pre-activation near zero flips the mask, and that sample's gradient differs
+# from the float64 reference by far more than rounding, which no tolerance
+# tells from a bug.
 MLP_SPEC = MlpSpec((784, 512, 512, 10), "silu")
 # (batch, tier, modes)
 MLP_BATCHES = ((8, "small", {"smoke"}), (32, "medium", {"quick", "full"}),
@@ -71,13 +65,7 @@ def clip_and_sum(per_sample: Dict[str, Tensor], max_norm: float) -> List[Tensor]
 
 def loop_reference(model: nn.Module, x: Tensor, y: Tensor) -> List[Tensor]:
     """float64: one backward per sample, then clip and sum."""
-    m64 = in_float64(model)
-    params = list(m64.parameters())
-    x64, y = x.cpu().double(), y.cpu()
-    rows = [torch.autograd.grad(cross_entropy(m64(x64[i:i + 1]), y[i:i + 1]), params)
-            for i in range(x.shape[0])]
-    per_sample = {str(k): torch.stack(column) for k, column in enumerate(zip(*rows))}
-    return clip_and_sum(per_sample, MAX_NORM)
+    return clip_and_sum({str(k): g for k, g in enumerate(per_sample_loop(model, x, y))}, MAX_NORM)
 
 
 def summed_reference(model: nn.Module, x: Tensor, y: Tensor) -> List[Tensor]:
@@ -87,47 +75,44 @@ def summed_reference(model: nn.Module, x: Tensor, y: Tensor) -> List[Tensor]:
                                     list(m64.parameters())))
 
 
+def clipped_grad_variant(clipped: Callable[..., Any], *args: Any) -> Variant:
+    """A clipped_grad step on ``args``: the clipped sums (parameter order), then
+    the norms. No compiled twin: dynamo cannot trace clipped_grad's
+    interception, so under torch.compile it runs eagerly (a graph break)."""
+    def step() -> List[Tensor]:
+        sums, norms = clipped(*args)
+        return [*sums.values(), norms]
+    return Variant("clipped_grad", step)
+
+
 def _dp_setup(model: nn.Module, x: Tensor, y: Tensor,
-              limit: Optional[Callable[[], List[Tensor]]] = None) -> CaseSetup:
-    params = detached_params(model)
+              limit: Optional[Callable[[], Any]] = None) -> CaseSetup:
+    params, trainable = detached_params(model), list(model.parameters())
 
     def sample_loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
         return cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
 
     per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
-    clipped = batchrules.clipped_grad(sample_loss, MAX_NORM)
-    trainable = list(model.parameters())
 
     def vmap_clip() -> List[Tensor]:
         return clip_and_sum(per_sample_grads(params, x, y), MAX_NORM)
 
-    def transform() -> List[Tensor]:
-        sums, norms = clipped(params, x, y)
-        return [*sums.values(), norms]
+    def reference_of(m: nn.Module) -> List[Tensor]:
+        return loop_reference(m, x, y)
 
     def nonprivate() -> List[Tensor]:
         return list(torch.autograd.grad(cross_entropy_sum(model(x), y), trainable))
 
-    variants = [
-        Variant("stock", vmap_clip, routing=False, user_code=True),
-        Variant("batchrules", vmap_clip, routing=True, user_code=True),
-        # No compiled twin: dynamo cannot trace clipped_grad's interception,
-        # so under torch.compile it runs eagerly (a graph break; fullgraph fails).
-        Variant("clipped_grad", transform),
-        Variant("nonprivate", nonprivate, reference=lambda: summed_reference(model, x, y)),
-    ]
-    if limit is not None:
-        variants.append(Variant("limit", limit))
-
-    def reference_of(m: nn.Module) -> List[Tensor]:
-        return loop_reference(m, x, y)
-
-    setup = CaseSetup(variants, reference=lambda: loop_reference(model, x, y),
+    variants = [*stock_and_batchrules(vmap_clip),
+                clipped_grad_variant(batchrules.clipped_grad(sample_loss, MAX_NORM), params, x, y),
+                Variant("nonprivate", nonprivate, reference=lambda: summed_reference(model, x, y)),
+                *([Variant("limit", limit)] if limit is not None else [])]
+    setup = CaseSetup(variants, reference=lambda: reference_of(model),
                       floor=vmap_identity((None, 0, 0), (params, x, y), returned=0))
-    return with_opacus(setup, ["opacus_hooks", "opacus_ghost"], lambda: [
-        opacus_clip_variant(model, x, y, cross_entropy_sum, MAX_NORM, reference_of),
-        opacus_ghost_variant(model, x, y, nn.CrossEntropyLoss(reduction="sum"), MAX_NORM, reference_of),
-    ])
+    ghost_loss = nn.CrossEntropyLoss(reduction="sum")
+    return opacus.with_opacus(setup, ["opacus_hooks", "opacus_ghost"], lambda: [
+        opacus.opacus_clip_variant(model, x, y, cross_entropy_sum, MAX_NORM, reference_of),
+        opacus.opacus_ghost_variant(model, x, y, ghost_loss, MAX_NORM, reference_of)])
 
 
 NEAR_NONPRIVATE = Speedup("DP: clipped_grad <= 1.2x the non-private step (nonprivate / clipped_grad >= 0.83)",
@@ -147,54 +132,52 @@ def _targets(near_nonprivate: bool, vs_stock: bool = False) -> Sequence[Target]:
             *([VS_STOCK] if vs_stock else []), PEAK_MEMORY]
 
 
-def _mlp_case(batch: int, tier: str) -> Case:
+def _case(scenario: str, size: str, tier: str, n_linears: int, description: str,
+          make: Callable[[torch.device], Tuple[nn.Module, Tensor, Tensor]], targets: Sequence[Target],
+          with_limit: bool = False) -> Case:
     def build(device: torch.device) -> CaseSetup:
-        model = mlp(MLP_SPEC).to(device)
-        x = torch.randn(batch, MLP_SPEC.sizes[0], device=device)
-        y = torch.randint(0, MLP_SPEC.sizes[-1], (batch,), device=device)
-        layers = [(model[2 * i].weight.detach(), model[2 * i].bias.detach())
-                  for i in range(MLP_SPEC.n_linears)]
+        model, x, y = make(device)
+        params = detached_params(model) if with_limit else {}
+        layers = [(params[w], params[b]) for w, b in map(MLP_SPEC.param_keys, range(MLP_SPEC.n_linears))
+                  if with_limit]
 
         def limit() -> List[Tensor]:
-            sums, norms = mlp_bookkeeping(layers, MLP_SPEC.act, x, y, MAX_NORM)
+            sums, norms = hand_written.mlp_bookkeeping(layers, MLP_SPEC.act, x, y, MAX_NORM)
             return [*sums, norms]
 
-        return _dp_setup(model, x, y, limit)
+        return _dp_setup(model, x, y, limit if with_limit else None)
 
-    return Case("dp_mlp", f"b{batch}", tier, MLP_SPEC.n_linears,
-                f"DP-SGD clipping, MLP {MLP_SPEC.sizes} {MLP_SPEC.act}, cross-entropy, batch {batch}",
-                build, _targets(near_nonprivate=batch >= 128, vs_stock=batch == 128))
+    return Case(scenario, size, tier, n_linears, f"DP-SGD clipping, {description}", build, targets)
 
 
-def _cnn_case(batch: int, tier: str) -> Case:
-    def build(device: torch.device) -> CaseSetup:
-        model = small_cnn().to(device)
-        x = torch.randn(batch, 1, 28, 28, device=device)
-        y = torch.randint(0, 10, (batch,), device=device)
-        return _dp_setup(model, x, y)
-
-    return Case("dp_cnn", f"b{batch}", tier, 2,
-                f"DP-SGD clipping, CNN conv5x16-conv5x32-fc64-fc10 on 28x28, batch {batch}", build,
-                _targets(near_nonprivate=False))
+def _mlp(batch: int, device: torch.device) -> Tuple[nn.Module, Tensor, Tensor]:
+    return (mlp(MLP_SPEC).to(device), torch.randn(batch, MLP_SPEC.sizes[0], device=device),
+            torch.randint(0, MLP_SPEC.sizes[-1], (batch,), device=device))
 
 
-def _encoder_case(config: Tuple[int, int, int, int], batch: int, tier: str) -> Case:
+def _cnn(batch: int, device: torch.device) -> Tuple[nn.Module, Tensor, Tensor]:
+    return (small_cnn().to(device), torch.randn(batch, 1, 28, 28, device=device),
+            torch.randint(0, 10, (batch,), device=device))
+
+
+def _encoder(config: Tuple[int, int, int, int], batch: int, device: torch.device
+             ) -> Tuple[nn.Module, Tensor, Tensor]:
     d_model, heads, ff, tokens = config
-
-    def build(device: torch.device) -> CaseSetup:
-        model = Encoder(d_model, heads, ff).to(device)
-        x = torch.randn(batch, tokens, d_model, device=device)
-        y = torch.randint(0, 10, (batch,), device=device)
-        return _dp_setup(model, x, y)
-
-    return Case("dp_transformer", f"d{d_model}t{tokens}_b{batch}", tier, 5,
-                f"DP-SGD clipping, TransformerEncoderLayer(d={d_model}, heads={heads}, ff={ff}, gelu) "
-                f"over {tokens} tokens + linear head, batch {batch}", build,
-                _targets(near_nonprivate=True))
+    return (Encoder(d_model, heads, ff).to(device), torch.randn(batch, tokens, d_model, device=device),
+            torch.randint(0, 10, (batch,), device=device))
 
 
 def cases(mode: str) -> List[Case]:
     """DP-SGD cases (MLP, CNN, transformer layer) for a mode."""
-    return ([_mlp_case(b, t) for b, t, m in MLP_BATCHES if mode in m]
-            + [_cnn_case(b, t) for b, t, m in CNN_BATCHES if mode in m]
-            + [_encoder_case(c, b, t) for c, b, t, m in ENCODER_CASES if mode in m])
+    return (
+        [_case("dp_mlp", f"b{b}", t, MLP_SPEC.n_linears,
+               f"MLP {MLP_SPEC.sizes} {MLP_SPEC.act}, cross-entropy, batch {b}",
+               functools.partial(_mlp, b), _targets(b >= 128, vs_stock=b == 128), with_limit=True)
+         for b, t, m in MLP_BATCHES if mode in m]
+        + [_case("dp_cnn", f"b{b}", t, 2, f"CNN conv5x16-conv5x32-fc64-fc10 on 28x28, batch {b}",
+                 functools.partial(_cnn, b), _targets(False))
+           for b, t, m in CNN_BATCHES if mode in m]
+        + [_case("dp_transformer", f"d{c[0]}t{c[3]}_b{b}", t, 5,
+                 f"TransformerEncoderLayer(d={c[0]}, heads={c[1]}, ff={c[2]}, gelu) over {c[3]} tokens "
+                 f"+ linear head, batch {b}", functools.partial(_encoder, c, b), _targets(True))
+           for c, b, t, m in ENCODER_CASES if mode in m])

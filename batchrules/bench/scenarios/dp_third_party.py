@@ -1,27 +1,15 @@
-"""DP-SGD on third-party models (``--full`` only): transformers' GPT-2 (the
-tied wte, ``-100`` labels) and BERT (a 4-D additive padding mask), a peft
-LoRA on GPT-2's ``c_attn`` (only the LoRA factors trained), torchvision's
-resnet18 with GroupNorm and a timm ViT, all from configs with random weights.
-
-Variants as in ``dp_step.py`` (stock: vmap(grad)+clip+sum; clipped_grad;
-nonprivate; opacus_hooks; opacus_ghost), each checked against a float64
-per-sample loop. No routed vmap(grad) ("batchrules"): it times as stock here
-and a row must stay under about a minute. No compiled twins: compiling
-vmap(grad) of a whole GPT-2 would take minutes per row. A model package that
-is missing skips the row with the import error (every variant reported
-skipped); Opacus missing skips its variants; ghost clipping that refuses the
-model skips ``opacus_ghost`` with its error.
-
-The per-sample loss is the user's: a language model's is the mean
-cross-entropy of its next tokens (labels ``-100`` ignored), a classifier's
-the cross-entropy of its label (models: ``third_party_models.py``).
-Targets: clipped_grad <= 1.3x the non-private step (language models at
-batch >= 16, resnet18-GN), >= 1.5x faster than Opacus (``opacus``
-names the variant: ghost, or hooks where ghost cannot run the model, e.g.
-tied GPT-2) and peak memory <= 1.3x the non-private step's.
+"""DP-SGD on third-party models (``--full`` only, ``third_party_models.py``):
+transformers' GPT-2 (tied wte, ``-100`` labels) and BERT (a 4-D additive padding
+mask), a peft LoRA on GPT-2's ``c_attn``, torchvision's resnet18 with GroupNorm
+and a timm ViT. Variants as in ``dp_step.py`` but no routed vmap(grad) (it times
+as stock here) and no compiled twins (compiling a whole GPT-2 takes minutes). A
+missing model package skips the row; ghost clipping that refuses the model
+skips ``opacus_ghost`` with its error. Targets: clipped_grad <= 1.3x the
+non-private step (language models at batch >= 16, resnet18-GN), >= 1.5x faster
+than Opacus (ghost, or hooks where ghost cannot run the model) and peak memory
+<= 1.3x the non-private step's.
 """
 import copy
-import dataclasses
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -30,19 +18,18 @@ from torch.func import functional_call, grad, vmap
 
 import batchrules
 
+from .. import third_party_models as models
 from ..baselines.opacus_variants import opacus_clip_variant, opacus_ghost_variant, with_opacus
 from ..case import Case, CaseSetup, Variant
 from ..models import in_float64
-from ..targets import PeakMemory, Speedup, Target
-from ..third_party_models import (IMAGE_BATCH, Problem, Size, bert_problem, gpt2_problem, lora_problem,
-                                  resnet18_gn_problem, vit_problem)
-from .dp_step import MAX_NORM, clip_and_sum
+from ..targets import Speedup, Target
+from .dp_step import MAX_NORM, PEAK_MEMORY, clip_and_sum, clipped_grad_variant
 
 VARIANTS = ("stock", "clipped_grad", "nonprivate", "opacus_hooks", "opacus_ghost")
-MID = Size()
+MID = models.Size()
 # (size, modes): a B = 64 row takes several minutes on 2 CPU cores (the float64
 # reference and Opacus' per-sample vocab-sized gradients).
-SIZES = ((MID, {"full"}), (dataclasses.replace(MID, batch=64), {"full"}))
+SIZES = ((MID, {"full"}), (MID._replace(batch=64), {"full"}))
 
 
 def _float64(t: Tensor) -> Tensor:
@@ -83,7 +70,7 @@ def _ghost(model: nn.Module, xs: Tuple[Tensor, ...], y: Tensor, criterion: nn.Mo
         return []
 
 
-def dp_setup(problem: Problem) -> CaseSetup:
+def dp_setup(problem: models.Problem) -> CaseSetup:
     """The DP variants of the problem's model (a ``Logits``) on its batched
     inputs and targets; its criterion sums over samples. Only the
     parameters that require grad are differentiated, the others (and buffers)
@@ -106,16 +93,12 @@ def dp_setup(problem: Problem) -> CaseSetup:
     def vmap_clip() -> List[Tensor]:
         return clip_and_sum(per_sample_grads(params, *xs, y), MAX_NORM)
 
-    def transform() -> List[Tensor]:
-        sums, norms = clipped(params, *xs, y)
-        return [*sums.values(), norms]
-
     def nonprivate() -> List[Tensor]:
         return list(torch.autograd.grad(criterion(model(xs), y), trainable))
 
     setup = CaseSetup([
         Variant("stock", vmap_clip, routing=False),
-        Variant("clipped_grad", transform),
+        clipped_grad_variant(clipped, params, *xs, y),
         Variant("nonprivate", nonprivate, reference=lambda: _summed_reference(model, xs, y, criterion)),
     ], reference=lambda: _loop_reference(model, xs, y, criterion))
     return with_opacus(setup, ["opacus_hooks", "opacus_ghost"], lambda: [
@@ -124,19 +107,15 @@ def dp_setup(problem: Problem) -> CaseSetup:
         *_ghost(model, xs, y, criterion, setup)])
 
 
-def missing(reason: str) -> CaseSetup:
-    """A row whose model package is missing: every variant skipped."""
-    return CaseSetup([], reference=lambda: [], skipped=dict.fromkeys(VARIANTS, reason))
-
-
-def guarded(problem: Callable[[torch.device], Problem]) -> Callable[[torch.device], CaseSetup]:
+def guarded(problem: Callable[[torch.device], models.Problem]) -> Callable[[torch.device], CaseSetup]:
     """The case's build: ``dp_setup`` of the problem, or every variant skipped
     when its package is missing."""
     def build(device: torch.device) -> CaseSetup:
         try:
             made = problem(device)
         except ImportError as exc:
-            return missing(f"{type(exc).__name__}: {exc}")
+            why = f"{type(exc).__name__}: {exc}"
+            return CaseSetup([], reference=lambda: [], skipped=dict.fromkeys(VARIANTS, why))
         return dp_setup(made)
     return build
 
@@ -146,25 +125,23 @@ def targets(near_nonprivate: bool, opacus: str) -> Sequence[Target]:
     memory, and the step-time target where asked."""
     return [*([Speedup("DP: clipped_grad <= 1.3x the non-private step (nonprivate / clipped_grad "
                        ">= 0.77)", "nonprivate", "clipped_grad", 1 / 1.3)] if near_nonprivate else []),
-            Speedup(f"DP: clipped_grad >= 1.5x faster than Opacus ({opacus})", opacus, "clipped_grad",
-                    1.5),
-            PeakMemory("DP: clipped_grad peak memory <= 1.3x the non-private step's "
-                       "(nonprivate / clipped_grad >= 0.77)", "nonprivate", "clipped_grad", 1 / 1.3)]
+            Speedup(f"DP: clipped_grad >= 1.5x faster than Opacus ({opacus})", opacus, "clipped_grad", 1.5),
+            PEAK_MEMORY]
 
 
-def lm_cases(size: Size) -> List[Case]:
+def lm_cases(size: models.Size) -> List[Case]:
     t = f"{size.layers} layers, d={size.d}, {size.tokens} tokens, vocab {size.vocab}, batch {size.batch}"
     near = size.batch >= 16
     return [
         Case("dp_gpt2", size.name, "large", 4 * size.layers + 1,
              f"DP-SGD clipping, transformers GPT-2 (tied wte, -100 labels), {t}",
-             guarded(lambda device: gpt2_problem(size, device)), targets(near, "opacus_hooks")),
+             guarded(lambda device: models.gpt2_problem(size, device)), targets(near, "opacus_hooks")),
         Case("dp_bert", size.name, "large", 6 * size.layers + 2,
              f"DP-SGD clipping, transformers BERT classifier, 4-D padding mask, {t}",
-             guarded(lambda device: bert_problem(size, device)), targets(near, "opacus_ghost")),
+             guarded(lambda device: models.bert_problem(size, device)), targets(near, "opacus_ghost")),
         Case("dp_lora", size.name, "large", 2 * size.layers,
              f"DP-SGD clipping, peft LoRA r=8 on GPT-2 c_attn (only LoRA trained), {t}",
-             guarded(lambda device: lora_problem(size, device)), targets(near, "opacus_ghost")),
+             guarded(lambda device: models.lora_problem(size, device)), targets(near, "opacus_ghost")),
     ]
 
 
@@ -173,9 +150,9 @@ def cases(mode: str) -> List[Case]:
     if mode != "full":
         return []
     return [c for size, modes in SIZES if mode in modes for c in lm_cases(size)] + [
-        Case("dp_resnet18_gn", f"b{IMAGE_BATCH}", "large", 21,
-             f"DP-SGD clipping, torchvision resnet18 GroupNorm(2), 32x32, batch {IMAGE_BATCH}",
-             guarded(resnet18_gn_problem), targets(True, "opacus_ghost")),
-        Case("dp_vit", f"b{IMAGE_BATCH}", "large", 4 * 4 + 2,
-             f"DP-SGD clipping, timm ViT (patch 4, d=256, 4 layers) on 32x32, batch {IMAGE_BATCH}",
-             guarded(vit_problem), targets(False, "opacus_ghost"))]
+        Case("dp_resnet18_gn", f"b{models.IMAGE_BATCH}", "large", 21,
+             f"DP-SGD clipping, torchvision resnet18 GroupNorm(2), 32x32, batch {models.IMAGE_BATCH}",
+             guarded(models.resnet18_gn_problem), targets(True, "opacus_ghost")),
+        Case("dp_vit", f"b{models.IMAGE_BATCH}", "large", 4 * 4 + 2,
+             f"DP-SGD clipping, timm ViT (patch 4, d=256, 4 layers) on 32x32, batch {models.IMAGE_BATCH}",
+             guarded(models.vit_problem), targets(False, "opacus_ghost"))]

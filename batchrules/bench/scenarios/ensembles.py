@@ -1,22 +1,20 @@
 """Model ensembles via stack_module_state + functional_call + vmap: forward
 (shared or per-model input) and the training step."""
-from dataclasses import dataclass
-from typing import Dict, FrozenSet, List
+from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from ..baselines import hand_written
-from ..case import Case, CaseSetup, Variant, vmap_identity
+from ..case import Case, CaseSetup, Variant, stock_and_batchrules, vmap_identity
 from ..models import MlpSpec, in_float64, mlp, mse, stacked_ensemble
 from ..targets import transform_targets
 
-ALL, NOT_SMOKE, FULL = frozenset({"smoke", "quick", "full"}), frozenset({"quick", "full"}), frozenset({"full"})
+NOT_SMOKE = frozenset({"quick", "full"})
 
 
-@dataclass(frozen=True)
-class EnsembleSize:
+class EnsembleSize(NamedTuple):
     name: str
     tier: str
     members: int
@@ -30,113 +28,92 @@ class EnsembleSize:
 # training step is the headline row.
 MBPO = EnsembleSize("mbpo", "medium", 7, MlpSpec((23, 200, 200, 200, 200, 36), "silu"), 256, NOT_SMOKE)
 SIZES = (
-    EnsembleSize("small", "small", 4, MlpSpec((16, 32, 32, 4)), 8, ALL),
+    EnsembleSize("small", "small", 4, MlpSpec((16, 32, 32, 4)), 8, frozenset({"smoke", "quick", "full"})),
     MBPO,
     # The torch.func model-ensembling tutorial.
     EnsembleSize("tutorial", "medium", 10, MlpSpec((784, 128, 128, 10)), 64, NOT_SMOKE),
-    EnsembleSize("large", "large", 8, MlpSpec((128, 512, 512, 128)), 512, FULL),
+    EnsembleSize("large", "large", 8, MlpSpec((128, 512, 512, 128)), 512, frozenset({"full"})),
 )
 
 
-def _layers(params: Dict[str, Tensor], spec: MlpSpec) -> List[hand_written.Layer]:
+def train_setup(models: Sequence[nn.Module], x: Tensor, y: Tensor,
+                limit: Callable[[Dict[str, Tensor]], Callable[[], Any]]) -> CaseSetup:
+    """vmap(grad(mse)) over the stacked members, each on its own ``x[e]``,
+    ``y[e]``: stock, batchrules and the limit (``limit`` makes its step from the
+    stacked parameters), checked against a float64 loop over the members."""
+    params, buffers, base = stacked_ensemble(models)
+    params = {k: v.detach().to(x.device) for k, v in params.items()}
+
+    def member_loss(p: Dict[str, Tensor], b: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        return mse(functional_call(base, (p, b), (xi,)), yi)
+
+    ensemble_grads = vmap(grad(member_loss))
+
+    def user_code() -> Dict[str, Tensor]:
+        return ensemble_grads(params, buffers, x, y)
+
+    def reference() -> List[Tensor]:
+        rows = []
+        for e, m in enumerate(models):
+            m64 = in_float64(m)
+            loss = mse(m64(x[e].cpu().double()), y[e].cpu().double())
+            rows.append(torch.autograd.grad(loss, list(m64.parameters())))
+        return [torch.stack(g) for g in zip(*rows)]
+
+    floor = vmap_identity((0, 0, 0, 0), (params, buffers, x, y), returned=0)
+    return CaseSetup([*stock_and_batchrules(user_code), Variant("limit", limit(params))], reference,
+                     floor=floor)
+
+
+def _layers(params: Dict[str, Tensor], spec: MlpSpec) -> List[Any]:
     return [tuple(params[k] for k in spec.param_keys(i)) for i in range(spec.n_linears)]
 
 
 def _forward_case(size: EnsembleSize, shared: bool) -> Case:
+    spec = size.spec
+
     def build(device: torch.device) -> CaseSetup:
-        models = [mlp(size.spec) for _ in range(size.members)]
+        models = [mlp(spec) for _ in range(size.members)]
         params, buffers, base = stacked_ensemble(models)
         params = {k: v.detach().to(device) for k, v in params.items()}
-        in_f = size.spec.sizes[0]
-        shape = (size.batch, in_f) if shared else (size.members, size.batch, in_f)
-        x = torch.randn(shape, device=device)
-
-        def member(p: Dict[str, Tensor], b: Dict[str, Tensor], xi: Tensor) -> Tensor:
-            return functional_call(base, (p, b), (xi,))
-
+        in_f = spec.sizes[0]
+        x = torch.randn((size.batch, in_f) if shared else (size.members, size.batch, in_f), device=device)
         in_dims = (0, 0, None if shared else 0)
-        ensemble = vmap(member, in_dims=in_dims)
-        layers = _layers(params, size.spec)
-
-        def reference() -> Tensor:
-            x64 = x.cpu().double()
-            return torch.stack(
-                [in_float64(m)(x64 if shared else x64[e]) for e, m in enumerate(models)]
-            )
+        ensemble = vmap(lambda p, b, xi: functional_call(base, (p, b), (xi,)), in_dims=in_dims)
 
         def user_code() -> Tensor:
             return ensemble(params, buffers, x)
 
-        return CaseSetup(
-            variants=[
-                Variant("stock", user_code, routing=False, user_code=True),
-                Variant("batchrules", user_code, routing=True, user_code=True),
-                Variant("limit", lambda: hand_written.ensemble_forward(layers, size.spec.act, x, shared)),
-            ],
-            reference=reference,
-            floor=vmap_identity(in_dims, (params, buffers, x)),
-        )
+        def reference() -> Tensor:
+            x64 = x.cpu().double()
+            return torch.stack([in_float64(m)(x64 if shared else x64[e]) for e, m in enumerate(models)])
 
-    kind = "shared input" if shared else "per-model input"
-    return Case(
-        scenario="ensemble_fwd_shared" if shared else "ensemble_fwd_per_model",
-        size=size.name,
-        tier=size.tier,
-        n_linears=size.spec.n_linears,
-        description=f"{size.members} MLPs {size.spec.sizes} ({size.spec.act}), batch {size.batch}, {kind}",
-        build=build,
-        targets=transform_targets(size.tier),
-    )
+        layers = _layers(params, spec)
+        return CaseSetup([*stock_and_batchrules(user_code), Variant(
+            "limit", lambda: hand_written.ensemble_forward(layers, spec.act, x, shared))],
+            reference=reference, floor=vmap_identity(in_dims, (params, buffers, x)))
+
+    return Case("ensemble_fwd_shared" if shared else "ensemble_fwd_per_model", size.name, size.tier,
+                spec.n_linears, f"{size.members} MLPs {spec.sizes} ({spec.act}), batch {size.batch}, "
+                f"{'shared' if shared else 'per-model'} input", build, transform_targets(size.tier))
 
 
 def _train_case(size: EnsembleSize) -> Case:
+    spec = size.spec
+
     def build(device: torch.device) -> CaseSetup:
-        models = [mlp(size.spec) for _ in range(size.members)]
-        params, buffers, base = stacked_ensemble(models)
-        params = {k: v.detach().to(device) for k, v in params.items()}
-        x = torch.randn(size.members, size.batch, size.spec.sizes[0], device=device)
-        y = torch.randn(size.members, size.batch, size.spec.sizes[-1], device=device)
+        models = [mlp(spec) for _ in range(size.members)]
+        x = torch.randn(size.members, size.batch, spec.sizes[0], device=device)
+        y = torch.randn(size.members, size.batch, spec.sizes[-1], device=device)
+        def limit(params: Dict[str, Tensor]) -> Callable[[], Any]:
+            layers = _layers(params, spec)
+            return lambda: hand_written.ensemble_mse_grads(layers, spec.act, x, y)
 
-        def member_loss(p: Dict[str, Tensor], b: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
-            return mse(functional_call(base, (p, b), (xi,)), yi)
+        return train_setup(models, x, y, limit)
 
-        in_dims = (0, 0, 0, 0)
-        ensemble_grads = vmap(grad(member_loss), in_dims=in_dims)
-        layers = _layers(params, size.spec)
-
-        def reference() -> List[Tensor]:
-            per_member = []
-            for e, m in enumerate(models):
-                m64 = in_float64(m)
-                loss = mse(m64(x[e].cpu().double()), y[e].cpu().double())
-                per_member.append(torch.autograd.grad(loss, list(m64.parameters())))
-            return [torch.stack(g) for g in zip(*per_member)]
-
-        def user_code() -> Dict[str, Tensor]:
-            return ensemble_grads(params, buffers, x, y)
-
-        return CaseSetup(
-            variants=[
-                Variant("stock", user_code, routing=False, user_code=True),
-                Variant("batchrules", user_code, routing=True, user_code=True),
-                Variant("limit", lambda: hand_written.ensemble_mse_grads(layers, size.spec.act, x, y)),
-            ],
-            reference=reference,
-            floor=vmap_identity(in_dims, (params, buffers, x, y), returned=0),
-        )
-
-    return Case(
-        scenario="ensemble_train",
-        size=size.name,
-        tier=size.tier,
-        n_linears=size.spec.n_linears,
-        description=(
-            f"vmap(grad(mse)) over {size.members} MLPs {size.spec.sizes} ({size.spec.act}), "
-            f"per-model batch {size.batch}"
-        ),
-        build=build,
-        targets=transform_targets(size.tier),
-    )
+    return Case("ensemble_train", size.name, size.tier, spec.n_linears,
+                f"vmap(grad(mse)) over {size.members} MLPs {spec.sizes} ({spec.act}), per-model batch "
+                f"{size.batch}", build, transform_targets(size.tier))
 
 
 def cases(mode: str) -> List[Case]:
@@ -144,8 +121,5 @@ def cases(mode: str) -> List[Case]:
     if mode == "headline":
         return [_train_case(MBPO)]
     chosen = [s for s in SIZES if mode in s.modes]
-    return (
-        [_forward_case(s, shared=True) for s in chosen]
-        + [_forward_case(s, shared=False) for s in chosen]
-        + [_train_case(s) for s in chosen]
-    )
+    return ([_forward_case(s, True) for s in chosen] + [_forward_case(s, False) for s in chosen]
+            + [_train_case(s) for s in chosen])

@@ -1,13 +1,9 @@
-"""Per-sample weights, as a hypernetwork produces them.
-
-The target network is two linears whose weights and biases differ per sample
-(``vmap(target)(x, W1, b1, W2, b2)``); the weights are leaves standing in for
-a hypernetwork's output so that only the per-sample-weight part is measured.
-Backward is eager autograd through the vmapped code, as when the hypernetwork
-is trained.
+"""Per-sample weights, as a hypernetwork produces them: two linears whose
+weights and biases differ per sample (``vmap(target)(x, W1, b1, W2, b2)``), the
+weights leaves standing in for the hypernetwork's output; the backward is eager
+autograd through the vmapped code, as when the hypernetwork is trained.
 """
-from dataclasses import dataclass
-from typing import FrozenSet, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -15,25 +11,14 @@ from torch import Tensor
 from torch.func import vmap
 
 from ..baselines import hand_written
-from ..case import Case, CaseSetup, Variant, vmap_identity
+from ..case import Case, CaseSetup, Variant, stock_and_batchrules, vmap_identity
 from ..targets import transform_targets
 
-
-@dataclass(frozen=True)
-class HyperSize:
-    name: str
-    tier: str
-    batch: int
-    rows: int  # points per sample fed through its own target network
-    features: Tuple[int, int, int]  # in, hidden, out
-    modes: FrozenSet[str]
-
-
-SIZES = (
-    HyperSize("small", "small", 8, 4, (16, 32, 8), frozenset({"smoke", "quick", "full"})),
-    HyperSize("medium", "medium", 64, 32, (128, 128, 128), frozenset({"quick", "full"})),
-    HyperSize("large", "large", 256, 64, (256, 256, 256), frozenset({"full"})),
-)
+# (name = tier, batch, rows: points per sample fed through its own target
+# network, (in, hidden, out) features, modes)
+SIZES = (("small", 8, 4, (16, 32, 8), {"smoke", "quick", "full"}),
+         ("medium", 64, 32, (128, 128, 128), {"quick", "full"}),
+         ("large", 256, 64, (256, 256, 256), {"full"}))
 
 
 def target(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
@@ -46,27 +31,24 @@ def target(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
     return F.linear(F.silu(F.linear(x, w1, b1)), w2, b2)
 
 
-def _case(size: HyperSize, backward: bool) -> Case:
+def _case(size: str, b: int, rows: int, features: Tuple[int, int, int], backward: bool) -> Case:
+    i, h, o = features
+
     def build(device: torch.device) -> CaseSetup:
-        i, h, o = size.features
-        b = size.batch
-        x = torch.randn(b, size.rows, i, device=device)
+        x = torch.randn(b, rows, i, device=device)
         weights = [
             torch.randn(b, h, i, device=device) / i**0.5, torch.randn(b, h, device=device),
             torch.randn(b, o, h, device=device) / h**0.5, torch.randn(b, o, device=device),
         ]
         inputs = [t.requires_grad_(backward) for t in [x, *weights]]
-        batched_target = vmap(target)
 
-        def run(forward):
-            def step():
+        def run(forward: Callable[..., Tensor]) -> Callable[[], Any]:
+            def step() -> Any:
                 out = forward(*inputs)
-                if not backward:
-                    return out
-                return [out.detach(), *torch.autograd.grad(out.square().sum(), inputs)]
+                return [out.detach(), *torch.autograd.grad(out.square().sum(), inputs)] if backward else out
             return step
 
-        def reference() -> List[Tensor]:
+        def reference() -> Any:
             outs, grads = [], []
             for s in range(b):
                 sample = [t[s].detach().cpu().double().requires_grad_(backward) for t in inputs]
@@ -78,35 +60,17 @@ def _case(size: HyperSize, backward: bool) -> Case:
                 return torch.stack(outs)
             return [torch.stack(outs), *[torch.stack(g) for g in zip(*grads)]]
 
-        user_code = run(batched_target)
-        return CaseSetup(
-            variants=[
-                Variant("stock", user_code, routing=False, user_code=True),
-                Variant("batchrules", user_code, routing=True, user_code=True),
-                Variant("limit", run(hand_written.per_sample_weights_forward)),
-            ],
-            reference=reference,
-            floor=vmap_identity((0,) * len(inputs), inputs, returned=0),
-        )
+        return CaseSetup([*stock_and_batchrules(run(vmap(target))),
+                          Variant("limit", run(hand_written.per_sample_weights_forward))],
+                         reference=reference, floor=vmap_identity((0,) * len(inputs), inputs, returned=0))
 
-    i, h, o = size.features
-    what = "forward+backward" if backward else "forward"
-    return Case(
-        scenario="hyper_fwd_bwd" if backward else "hyper_fwd",
-        size=size.name,
-        tier=size.tier,
-        n_linears=2,
-        description=(
-            f"per-sample weights {i}-{h}-{o}, batch {size.batch} x {size.rows} rows, {what}"
-        ),
-        build=build,
-        targets=transform_targets(size.tier),
-    )
+    return Case("hyper_fwd_bwd" if backward else "hyper_fwd", size, size, 2,
+                f"per-sample weights {i}-{h}-{o}, batch {b} x {rows} rows, "
+                f"{'forward+backward' if backward else 'forward'}", build, transform_targets(size))
 
 
 def cases(mode: str) -> List[Case]:
     """Per-sample-weight cases, forward and forward+backward, for a mode."""
     if mode == "headline":
-        return [_case(SIZES[1], backward=True)]  # the training step, medium
-    chosen = [s for s in SIZES if mode in s.modes]
-    return [_case(s, backward=False) for s in chosen] + [_case(s, backward=True) for s in chosen]
+        return [_case(*SIZES[1][:4], backward=True)]  # the training step, medium
+    return [_case(*s[:4], backward) for backward in (False, True) for s in SIZES if mode in s[4]]

@@ -1,21 +1,18 @@
-"""The losses alone, per-sample ``vmap(grad(loss))`` on one example made a
-batch of one (the loss of a per-sample-gradient step, without the network).
-
-Variants: ``stock`` (functorch's Python decompositions of the loss ops), ``batchrules``
-(routing on: the rules of csrc/losses/), ``composed`` (the same loss written as its
-composition, e.g. log_softmax + gather, under the same transforms) and ``hand_written``
-(the per-sample gradient in closed form, no transform). Neither of the last two is
-named ``limit``: no transform reaches closed-form speed, so the one target is against stock.
+"""The losses alone: per-sample ``vmap(grad(loss))`` on one example made a batch
+of one. Variants: stock (functorch's decompositions), batchrules (the rules of
+csrc/losses/), composed (the loss written as its composition, e.g. log_softmax +
+gather, under the same transforms) and hand_written (the per-sample gradient in
+closed form). No transform reaches closed-form speed, so none is the "limit" and
+the one target is against stock.
 """
-from dataclasses import dataclass
-from typing import Callable, FrozenSet, List
+from typing import Callable, FrozenSet, List, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.func import grad, vmap
 
-from ..case import Case, CaseSetup, Variant, vmap_identity
+from ..case import Case, CaseSetup, Variant, stock_and_batchrules, vmap_identity
 from ..targets import NOT_SLOWER
 
 BATCH = 8
@@ -48,8 +45,7 @@ def _huber_composed(x: Tensor, t: Tensor) -> Tensor:
     return torch.where(d < BETA, 0.5 * d * d, BETA * (d - 0.5 * BETA)).mean()
 
 
-@dataclass(frozen=True)
-class LossSpec:
+class LossSpec(NamedTuple):
     name: str
     loss: Callable[[Tensor, Tensor], Tensor]         # F.* on [1, ...] batches
     composed: Callable[[Tensor, Tensor], Tensor]     # the same loss by hand
@@ -94,13 +90,10 @@ def _case(spec: LossSpec) -> Case:
                 rows.append(torch.autograd.grad(_one(spec.loss)(xi, t64[i]), xi)[0])
             return torch.stack(rows)
 
-        variants: List[Variant] = [
-            Variant("stock", lambda: stock(x, t), routing=False, user_code=True),
-            Variant("batchrules", lambda: stock(x, t), routing=True, user_code=True),
-            Variant("composed", lambda: composed(x, t), routing=False),
-            Variant("hand_written", lambda: spec.hand_written(x, t)),
-        ]
-        return CaseSetup(variants, reference=reference, floor=vmap_identity((0, 0), (x, t), returned=0))
+        return CaseSetup([*stock_and_batchrules(lambda: stock(x, t)),
+                          Variant("composed", lambda: composed(x, t), routing=False),
+                          Variant("hand_written", lambda: spec.hand_written(x, t))],
+                         reference=reference, floor=vmap_identity((0, 0), (x, t), returned=0))
 
     return Case("loss_grad", f"{spec.name}/b{BATCH}", "small", 0,
                 f"per-sample vmap(grad) of {spec.name} on [1, {CLASSES}], batch {BATCH}", build,

@@ -1,29 +1,18 @@
-"""Recurrent layers (``nn.LSTM``, ``nn.GRU``) under torch.func. Stock torch.func
-cannot ``vmap`` them at all ("Batching rule not implemented for
-aten::lstm.input"); ``vmap(grad)`` runs them through the per-example fallback.
+"""Recurrent layers (``nn.LSTM``, ``nn.GRU``) under torch.func; stock vmap
+cannot run them ("Batching rule not implemented for aten::lstm.input"),
+stock ``vmap(grad)`` runs them through the per-example fallback.
 
-Rows and their variants:
-  rnn_ensemble_fwd, rnn_ensemble_train  N stacked LSTMs / GRUs on one shared
-      batch: the forward, and vmap(grad(mse)) over the members.
-      stock       stock torch.func's way, vmap being out: a per-member loop of
-                  functional_call (grad) over the stacked parameters
-      batchrules  stack_module_state + functional_call + vmap (grad), routing on
-      limit       the hand-batched recurrence (baselines/hand_written_recurrent.py)
-      loop        the eager loop: one fused torch._VF.lstm / gru call per member
-      Target: batchrules >= 0.95x the speed of the faster of loop and limit.
-  rnn_psg_fwd  vmap over per-sample sequences, shared weights. stock is skipped
-      with its error; limit: the eager call on the whole batch (the vmap dim
-      folded into the layer's batch). Target: batchrules <= 1.1x the limit.
-  psg_lstm  vmap(grad) of an LSTM classifier (last hidden -> linear ->
-      cross-entropy). stock: the per-example fallback; limit: hand-written
-      backpropagation through time. Targets: <= 1.3x the limit, >= 5x stock.
-  dp_lstm  the DP step of that classifier: clipped_grad, the non-private step
-      and Opacus' DPLSTM with its hooks (opacus_hooks); clipped_grad, if it
-      refuses the model, is skipped with its error. Targets: clipped_grad
-      <= 1.5x the non-private step, >= 1.5x faster than Opacus.
+- rnn_ensemble_fwd / _train: N stacked layers on one shared batch, forward and
+  vmap(grad(mse)). stock: a per-member functional_call loop; limit: the
+  hand-batched recurrence; loop: one fused ``torch._VF`` call per member.
+- rnn_psg_fwd: vmap over per-sample sequences (stock skipped with its error);
+  limit: the eager call on the whole batch.
+- psg_lstm: per-sample grads of an LSTM classifier; limit: backpropagation
+  through time by hand. dp_lstm: its DP step (clipped_grad, skipped with its
+  error if it refuses the model; the non-private step; Opacus' DPLSTM).
 """
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+import contextlib
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -35,13 +24,12 @@ from ..baselines import hand_written_recurrent as hw
 from ..baselines.opacus_variants import cross_entropy_sum, opacus_clip_variant, with_opacus
 from ..case import Case, CaseSetup, Variant, vmap_identity
 from ..models import cross_entropy, detached_params, in_float64, mse, stacked_ensemble
-from ..targets import Speedup, SpeedupOverBest
-from .dp_step import MAX_NORM, loop_reference, summed_reference
-from .per_sample_grads import per_sample_loop
+from ..targets import Speedup
+from .dp_step import MAX_NORM, clipped_grad_variant, loop_reference, summed_reference
+from .per_sample_grads import psg_setup
 
 RNN = {"lstm": nn.LSTM, "gru": nn.GRU}
 QUICK, FULL = frozenset({"quick", "full"}), frozenset({"full"})
-SampleLoss = Callable[[Dict[str, Tensor], Tensor, Tensor], Tensor]
 
 
 class Recurrent(nn.Module):
@@ -67,10 +55,8 @@ class LstmClassifier(nn.Module):
         return self.head(self.lstm(x)[0][:, -1])
 
 
-@dataclass(frozen=True)
-class Size:
+class Size(NamedTuple):
     """Sequences [batch, steps, in_features]; ``members`` of an ensemble."""
-
     in_features: int = 32
     hidden: int = 32
     batch: int = 16
@@ -83,21 +69,14 @@ class Size:
         return f"h{self.hidden}"
 
 
-def failure(fn: Callable[[], object]) -> Optional[str]:
-    """None when ``fn()`` runs, else its error in one line."""
+def failure(fn: Callable[[], object], stock: bool = False) -> Optional[str]:
+    """None when ``fn()`` runs (``stock``: with routing off), else its error in one line."""
     try:
-        fn()
+        with batchrules.enabled(False) if stock else contextlib.nullcontext():
+            fn()
     except Exception as exc:  # noqa: BLE001 (any failure is reported)
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return None
-
-
-def _off(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with routing off: stock torch.func."""
-    def run() -> object:
-        with batchrules.enabled(False):
-            return fn()
-    return run
 
 
 def ensemble_case(kind: str, size: Size, train: bool, tier: str) -> Case:
@@ -124,58 +103,45 @@ def ensemble_case(kind: str, size: Size, train: bool, tier: str) -> Case:
         stacked = [params[k].clone().requires_grad_(train) for k in keys]
         per_member = [[t[e].clone().requires_grad_(train) for t in stacked] for e in range(size.members)]
         scale = 1.0 / (size.batch * size.steps * size.hidden)
+        member_grad = grad(member_loss)
 
         def user_code() -> Dict[str, Tensor]:
             return vmapped(*args)
 
-        if train:
-            member_grad = grad(member_loss)
-
-            def stock() -> Dict[str, Tensor]:
-                rows = [member_grad(p, buffers, x, y) for p in member_params]
-                return {k: torch.stack([r[k] for r in rows]) for k in params}
-
-            def limit() -> List[Tensor]:
-                out = hw.ensemble_recurrence(kind, [tuple(stacked)], x)
-                return list(torch.autograd.grad((out - y).square().sum() * scale, stacked))
-
-            def loop() -> List[Tensor]:
-                out = hw.member_loop(kind, per_member, x)
-                flat = [t for ws in per_member for t in ws]
-                grads = torch.autograd.grad((out - y).square().sum() * scale, flat)
-                return [torch.stack(grads[j::len(keys)]) for j in range(len(keys))]
-
-            def reference() -> List[Tensor]:
-                rows = []
-                for m in models:
-                    m64 = in_float64(m)
-                    rows.append(torch.autograd.grad(mse(m64(x64), y64), list(m64.parameters())))
-                return [torch.stack(column) for column in zip(*rows)]
-        else:
-            def stock() -> Tensor:
+        def stock() -> Any:  # stock torch.func's way, vmap being out: a loop over the members
+            if not train:
                 return torch.stack([member(p, buffers, x) for p in member_params])
+            rows = [member_grad(p, buffers, x, y) for p in member_params]
+            return {k: torch.stack([r[k] for r in rows]) for k in params}
 
-            def limit() -> Tensor:
-                return hw.ensemble_recurrence(kind, [tuple(stacked)], x)
+        def limit() -> Any:
+            out = hw.ensemble_recurrence(kind, stacked, x)
+            return list(torch.autograd.grad((out - y).square().sum() * scale, stacked)) if train else out
 
-            def loop() -> Tensor:
-                return hw.member_loop(kind, per_member, x)
+        def loop() -> Any:
+            out = hw.member_loop(kind, per_member, x)
+            if not train:
+                return out
+            flat = [t for ws in per_member for t in ws]
+            grads = torch.autograd.grad((out - y).square().sum() * scale, flat)
+            return [torch.stack(grads[j::len(keys)]) for j in range(len(keys))]
 
-            def reference() -> Tensor:
+        def reference() -> Any:
+            if not train:
                 return torch.stack([in_float64(m)(x64) for m in models])
+            rows = []
+            for m in models:
+                m64 = in_float64(m)
+                rows.append(torch.autograd.grad(mse(m64(x64), y64), list(m64.parameters())))
+            return [torch.stack(column) for column in zip(*rows)]
 
-        notes = []
-        why = failure(_off(lambda: vmap(member, in_dims=(0, 0, None))(params, buffers, x)))
-        if why is not None:
-            notes.append(f"stock vmap: {why}")
+        why = failure(lambda: vmap(member, in_dims=(0, 0, None))(params, buffers, x), stock=True)
         return CaseSetup(
-            variants=[
-                Variant("stock", stock, routing=False, user_code=True),
-                Variant("batchrules", user_code, routing=True, user_code=True),
-                Variant("limit", limit),
-                Variant("loop", loop),
-            ],
-            reference=reference, notes=notes, floor=vmap_identity(in_dims, args, returned=0))
+            variants=[Variant("stock", stock, routing=False, user_code=True),
+                      Variant("batchrules", user_code, routing=True, user_code=True),
+                      Variant("limit", limit), Variant("loop", loop)],
+            reference=reference, notes=[] if why is None else [f"stock vmap: {why}"],
+            floor=vmap_identity(in_dims, args, returned=0))
 
     step = "vmap(grad(mse)) over" if train else "forward of"
     return Case(
@@ -183,8 +149,8 @@ def ensemble_case(kind: str, size: Size, train: bool, tier: str) -> Case:
         f"{step} {size.members} nn.{kind.upper()}({size.in_features}, {size.hidden}), shared input "
         f"[{size.batch}, {size.steps}, {size.in_features}]; stock: per-member functional_call loop "
         "(stock vmap cannot run it)", build,
-        [SpeedupOverBest("RNN ensemble: batchrules >= 0.95x the speed of the faster of loop and limit "
-                         "(min(loop, limit) / batchrules >= 0.95)", ("loop", "limit"), "batchrules", 0.95)])
+        [Speedup("RNN ensemble: batchrules >= 0.95x the speed of the faster of loop and limit "
+                 "(min(loop, limit) / batchrules >= 0.95)", ("loop", "limit"), "batchrules", 0.95)])
 
 
 def per_sample_forward_case(kind: str, size: Size, tier: str) -> Case:
@@ -206,7 +172,7 @@ def per_sample_forward_case(kind: str, size: Size, tier: str) -> Case:
                       Variant("limit", folded)],
             reference=lambda: in_float64(model)(x.cpu().double()),
             floor=vmap_identity((None, 0), (params, x)))
-        why = failure(_off(user_code))
+        why = failure(user_code, stock=True)
         if why is None:
             setup.variants.insert(0, Variant("stock", user_code, routing=False, user_code=True))
         else:
@@ -221,15 +187,10 @@ def per_sample_forward_case(kind: str, size: Size, tier: str) -> Case:
                  "(limit / batchrules >= 0.91)", "limit", "batchrules", 1 / 1.1)])
 
 
-def _classifier(size: Size, device: torch.device) -> Tuple[nn.Module, Tensor, Tensor, SampleLoss]:
-    model = LstmClassifier(size.in_features, size.hidden, size.classes).to(device)
-    x = torch.randn(size.batch, size.steps, size.in_features, device=device)
-    y = torch.randint(0, size.classes, (size.batch,), device=device)
-
-    def sample_loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
-        return cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
-
-    return model, x, y, sample_loss
+def _classifier(size: Size, device: torch.device) -> Tuple[nn.Module, Tensor, Tensor]:
+    return (LstmClassifier(size.in_features, size.hidden, size.classes).to(device),
+            torch.randn(size.batch, size.steps, size.in_features, device=device),
+            torch.randint(0, size.classes, (size.batch,), device=device))
 
 
 def _classifier_text(size: Size) -> str:
@@ -239,20 +200,11 @@ def _classifier_text(size: Size) -> str:
 
 def per_sample_grads_case(size: Size, tier: str) -> Case:
     def build(device: torch.device) -> CaseSetup:
-        model, x, y, sample_loss = _classifier(size, device)
-        params = detached_params(model)
-        per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
-        weights = list(params.values())
+        model, x, y = _classifier(size, device)
+        def limit(p: Dict[str, Tensor]) -> List[Tensor]:
+            return hw.lstm_classifier_per_sample_grads(list(p.values()), x, y)
 
-        def user_code() -> Dict[str, Tensor]:
-            return per_sample_grads(params, x, y)
-
-        return CaseSetup(
-            variants=[Variant("stock", user_code, routing=False, user_code=True),
-                      Variant("batchrules", user_code, routing=True, user_code=True),
-                      Variant("limit", lambda: hw.lstm_classifier_per_sample_grads(*weights, x, y))],
-            reference=lambda: per_sample_loop(model, x, y),
-            floor=vmap_identity((None, 0, 0), (params, x, y), returned=0))
+        return psg_setup(model, x, y, limit)
 
     return Case(
         "psg_lstm", f"b{size.batch}", tier, 1, f"per-sample grads, {_classifier_text(size)}", build,
@@ -264,24 +216,21 @@ def per_sample_grads_case(size: Size, tier: str) -> Case:
 
 def dp_case(size: Size, tier: str) -> Case:
     def build(device: torch.device) -> CaseSetup:
-        model, x, y, sample_loss = _classifier(size, device)
-        params = detached_params(model)
-        clipped = batchrules.clipped_grad(sample_loss, MAX_NORM)
-        trainable = list(model.parameters())
+        model, x, y = _classifier(size, device)
+        params, trainable = detached_params(model), list(model.parameters())
 
-        def transform() -> List[Tensor]:
-            sums, norms = clipped(params, x, y)
-            return [*sums.values(), norms]
+        def sample_loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+            return cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
 
         def nonprivate() -> List[Tensor]:
             return list(torch.autograd.grad(cross_entropy_sum(model(x), y), trainable))
 
-        setup = CaseSetup(
-            variants=[Variant("nonprivate", nonprivate, reference=lambda: summed_reference(model, x, y))],
-            reference=lambda: loop_reference(model, x, y))
+        clipped = batchrules.clipped_grad(sample_loss, MAX_NORM)
+        summed = Variant("nonprivate", nonprivate, reference=lambda: summed_reference(model, x, y))
+        setup = CaseSetup([summed], reference=lambda: loop_reference(model, x, y))
         why = failure(lambda: clipped(params, x[:2], y[:2]))
         if why is None:
-            setup.variants.insert(0, Variant("clipped_grad", transform))
+            setup.variants.insert(0, clipped_grad_variant(clipped, params, x, y))
         else:
             setup.skipped["clipped_grad"] = why
         # ModuleValidator.fix swaps nn.LSTM for Opacus' DPLSTM (same parameter names).

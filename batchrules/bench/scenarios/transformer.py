@@ -4,17 +4,18 @@ ensemble training step, against a hand-written stacked layer
 (``baselines/hand_written_transformer.py``) and, for per-sample gradients,
 Opacus' DPMultiheadAttention.
 """
-from typing import Dict, List
+from typing import List
 
 import torch
-from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
+from torch import nn
 
 from ..baselines import hand_written_transformer
-from ..baselines.opacus_variants import opacus_encoder_variant, with_opacus
-from ..case import Case, CaseSetup, Variant, vmap_identity
-from ..models import detached_params, in_float64, mse, stacked_ensemble
+from ..baselines.opacus_variants import opacus_encoder_variant
+from ..case import Case, CaseSetup, Variant
+from ..models import mse
 from ..targets import FASTER_THAN_OPACUS, transform_targets
+from .ensembles import train_setup
+from .per_sample_grads import psg_setup
 
 D_MODEL, NHEAD, FFN, SEQ = 64, 4, 128, 32
 MEMBERS = 4
@@ -32,34 +33,13 @@ def encoder(batch_first: bool = True) -> nn.Module:
 def _psg_case(batch: int, tier: str) -> Case:
     def build(device: torch.device) -> CaseSetup:
         model = encoder().to(device)
-        params = detached_params(model)
         x = torch.randn(batch, SEQ, D_MODEL, device=device)
         y = torch.randn(batch, SEQ, D_MODEL, device=device)
+        def opacus() -> Variant:
+            return opacus_encoder_variant(model, encoder(batch_first=False).to(device), x, y)
 
-        def sample_loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
-            return mse(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
-
-        per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
-
-        def reference() -> List[Tensor]:
-            m64 = in_float64(model)
-            x64, y64 = x.cpu().double(), y.cpu().double()
-            rows = [torch.autograd.grad(mse(m64(x64[i:i + 1]), y64[i:i + 1]),
-                                        list(m64.parameters())) for i in range(batch)]
-            return [torch.stack(g) for g in zip(*rows)]
-
-        def user_code() -> List[Tensor]:
-            return list(per_sample_grads(params, x, y).values())
-
-        variants = [
-            Variant("stock", user_code, routing=False, user_code=True),
-            Variant("batchrules", user_code, routing=True, user_code=True),
-            Variant("limit", lambda: hand_written_transformer.per_sample_grads(params, x, y, NHEAD)),
-        ]
-        setup = CaseSetup(variants, reference=reference,
-                          floor=vmap_identity((None, 0, 0), (params, x, y), returned=0))
-        return with_opacus(setup, ["opacus"], lambda: [
-            opacus_encoder_variant(model, encoder(batch_first=False).to(device), x, y)])
+        return psg_setup(model, x, y, lambda p: hand_written_transformer.per_sample_grads(p, x, y, NHEAD),
+                         mse, opacus)
 
     return Case("psg_transformer", f"b{batch}", tier, N_LINEARS,
                 f"per-sample grads, TransformerEncoderLayer d{D_MODEL} h{NHEAD} T{SEQ}, "
@@ -69,37 +49,10 @@ def _psg_case(batch: int, tier: str) -> Case:
 def _ensemble_case(batch: int, tier: str) -> Case:
     def build(device: torch.device) -> CaseSetup:
         models = [encoder().to(device) for _ in range(MEMBERS)]
-        params, buffers, base = stacked_ensemble(models)
-        params = {k: v.detach() for k, v in params.items()}
         x = torch.randn(MEMBERS, batch, SEQ, D_MODEL, device=device)
         y = torch.randn(MEMBERS, batch, SEQ, D_MODEL, device=device)
-
-        def member_loss(p: Dict[str, Tensor], b: Dict[str, Tensor], xb: Tensor,
-                        yb: Tensor) -> Tensor:
-            return mse(functional_call(base, (p, b), (xb,)), yb)
-
-        ensemble_grads = vmap(grad(member_loss))
-
-        def reference() -> List[Tensor]:
-            per_member = []
-            for m, model in enumerate(models):
-                m64 = in_float64(model)
-                loss = mse(m64(x[m].cpu().double()), y[m].cpu().double())
-                per_member.append(torch.autograd.grad(loss, list(m64.parameters())))
-            return [torch.stack(g) for g in zip(*per_member)]
-
-        def user_code() -> List[Tensor]:
-            return list(ensemble_grads(params, buffers, x, y).values())
-
-        return CaseSetup(
-            variants=[
-                Variant("stock", user_code, routing=False, user_code=True),
-                Variant("batchrules", user_code, routing=True, user_code=True),
-                Variant("limit", lambda: hand_written_transformer.ensemble_grads(params, x, y, NHEAD)),
-            ],
-            reference=reference,
-            floor=vmap_identity((0, 0, 0, 0), (params, buffers, x, y), returned=0),
-        )
+        grads = hand_written_transformer.ensemble_grads
+        return train_setup(models, x, y, lambda p: lambda: grads(p, x, y, NHEAD))
 
     return Case("ensemble_transformer", f"b{batch}", tier, N_LINEARS,
                 f"vmap(grad(mse)) over {MEMBERS} TransformerEncoderLayers d{D_MODEL} h{NHEAD} "
