@@ -25,10 +25,9 @@ What remains is the choice of what the backend receives:
   ``aten.silu_backward``, ...), so Inductor sees plain GEMMs it can fuse
   around and pick templates for, and pointwise ops it fuses.
 
-We decompose. ``python -m batchrules.bench.compile_ops`` times a compiled
-training step (fwd + bwd) of a 3-layer ReLU MLP both ways, against compiled
-``F.linear`` (numbers: docs/design.md's decision table). Decomposed is as
-fast as compiled ``F.linear`` and beats extern where launches and memory
+We decompose. Timed on a compiled training step (fwd + bwd) of a 3-layer
+ReLU MLP both ways against compiled ``F.linear`` (numbers: docs/design.md's
+decision table), decomposed is as fast as compiled ``F.linear`` and beats extern where launches and memory
 passes count (small sizes): the backward's bias-gradient sums fuse into the
 preceding pointwise kernels (9 instead of 11 kernels for the 3-layer
 backward). The graph is the one Inductor gets for ``F.linear``, so GPU GEMM

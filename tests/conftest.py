@@ -49,12 +49,12 @@ if _threads is not None:
 # the other; every other test goes to whichever worker is free (xdist's --dist load).
 #   distributed: each test spawns 2 ranks; two such tests at once would oversubscribe
 #     a 2-core machine (and test_distributed's module-scoped fixture runs once).
-#   test_bench.py, test_dp_bench.py: their module-scoped fixture runs the benchmark once.
+#   test_bench.py: its module-scoped fixture runs the benchmark once.
 # (pytest.mark.xdist_group with --dist loadgroup does not group with pytest 9 and
 # pytest-xdist 3.8: xdist renames item._nodeid, which pytest 9 no longer reads.)
 XDIST_GROUPS = {"test_distributed.py": "distributed", "test_dp_ddp.py": "distributed",
                 "test_dp_fsdp.py": "distributed",
-                "test_bench.py": "test_bench.py", "test_dp_bench.py": "test_dp_bench.py"}
+                "test_bench.py": "test_bench.py"}
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1,7 +1,7 @@
 """Device coverage: every check runs on CPU and, when a GPU is present, on CUDA.
 
 Without a GPU the CUDA cases are reported as skipped. ``python -m
-batchrules.bench.gpu_check`` runs this file on a GPU machine.
+batchrules.bench --gpu-check`` runs this file on a GPU machine.
 """
 from typing import Dict, Optional, Tuple
 
