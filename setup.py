@@ -231,6 +231,7 @@ cxx_flags = (["-O0", "-g"] if debug else ["-O3", "-g0"]) + ["-std=c++20"]
 setup(
     name="batchrules",
     packages=find_packages(include=["batchrules", "batchrules.*"]),
+    package_data={"batchrules": ["_C.pyi"]},  # the extension's types, for type checkers
     ext_modules=[
         CppExtension(
             "batchrules._C",
