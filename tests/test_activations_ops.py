@@ -90,6 +90,15 @@ def test_non_floating_input(act: Act, dtype: torch.dtype, dtype_name: str) -> No
         act.backward(x, x)
 
 
+def test_non_floating_input_raises_as_eager(routing_on) -> None:
+    """aten's exception type and message first, also routed under vmap."""
+    x = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(NotImplementedError, match="^\"silu_cpu\" not implemented for 'Long'"):
+        torch.nn.functional.silu(x)
+    with pytest.raises(NotImplementedError, match="^\"silu_cpu\" not implemented for 'Long'; "):
+        torch.func.vmap(torch.nn.functional.silu)(x)
+
+
 def test_complex_mish_is_rejected() -> None:
     z = torch.randn(3, dtype=torch.complex64)
     with pytest.raises(RuntimeError, match=r"batchrules.mish: expected self to be a "

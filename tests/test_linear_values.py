@@ -115,7 +115,7 @@ def test_linear_accepts_by_shape_alone() -> None:
     for x, w, b in grid():
         shapes = f"{list(x.shape)} {list(w.shape)} {None if b is None else list(b.shape)}"
         if not bias_broadcasts(x, w, b):
-            with pytest.raises(RuntimeError, match="^batchrules.linear: "):
+            with pytest.raises(RuntimeError, match="^(?:[^;]*; )?batchrules.linear: "):
                 batchrules.linear(x, w, b)
             continue
         accepted += 1

@@ -9,9 +9,13 @@ namespace batchrules {
 void check_activation_dtype(const Activation& act, const char* op, const at::Tensor& t,
                             const char* name) {
   const auto dtype = t.scalar_type();
-  TORCH_CHECK(at::isFloatingType(dtype) || (act.supports_complex && at::isComplexType(dtype)), op,
-              ": expected ", name, " to be a floating-point",
-              act.supports_complex ? " or complex" : "", " tensor, but got ", dtype);
+  // aten's exception and message first ("silu_cpu" not implemented for 'Long').
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      at::isFloatingType(dtype) || (act.supports_complex && at::isComplexType(dtype)), "\"",
+      act.op_name, "_", c10::DeviceTypeName(t.device().type(), /*lower_case=*/true),
+      "\" not implemented for '", c10::toString(dtype), "'; ", op, ": expected ", name,
+      " to be a floating-point", act.supports_complex ? " or complex" : "", " tensor, but got ",
+      dtype);
 }
 
 void check_activation_backward_shapes(const Activation& act, c10::SymIntArrayRef grad_output,

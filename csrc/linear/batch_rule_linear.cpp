@@ -184,7 +184,7 @@ BatchedResult linear_batch_rule(const Tensor& input, std::optional<int64_t> inpu
   const c10::SymDimVector out_shape = check_linear_shapes(
       logical_sizes(input, input_bdim), logical_sizes(weight, weight_bdim),
       bias.has_value() ? std::optional<c10::SymIntArrayRef>(bias_sizes) : std::nullopt);
-  check_same_dtype_and_device(op, input, "input", weight, "weight");
+  check_input_and_weight(op, input, weight);
   if (bias.has_value()) {
     check_same_dtype_and_device(op, input, "input", *bias, "bias");
   }

@@ -50,7 +50,7 @@ Tensor linear_kernel(const Tensor& input, const Tensor& weight,
   const SymShape out_shape = check_linear_shapes(
       input.sym_sizes(), weight.sym_sizes(),
       has_bias ? std::optional<c10::SymIntArrayRef>(bias_opt->sym_sizes()) : std::nullopt);
-  check_same_dtype_and_device(op, input, "input", weight, "weight");
+  check_input_and_weight(op, input, weight);
   if (!has_bias) {
     return at::linear(input, weight);
   }

@@ -14,7 +14,12 @@ void check_ranks(const char* op, c10::SymIntArrayRef input, c10::SymIntArrayRef 
               ": weight must be 1-D (in_features) or 2-D (out_features, in_features), but got "
               "weight of shape ",
               weight);
-  TORCH_CHECK(input.back() == weight.back(), op,
+  // aten's message first (what users search for), as F.linear's GEMM words it.
+  const c10::SymInt rows =
+      input.size() == 1 ? c10::SymInt(1) : numel_of(input.slice(0, input.size() - 1));
+  TORCH_CHECK(input.back() == weight.back(), "mat1 and mat2 shapes cannot be multiplied (", rows,
+              "x", input.back(), " and ", weight.back(), "x",
+              weight.size() == 2 ? weight.front() : c10::SymInt(1), "); ", op,
               ": input and weight shapes cannot be multiplied (input ", input, " and weight ",
               weight, "): input.size(-1) must equal weight.size(-1)");
 }
@@ -78,6 +83,16 @@ void check_linear_backward_shapes(c10::SymIntArrayRef self, c10::SymIntArrayRef 
   TORCH_CHECK(grad_output.equals(out), op, ": grad_output of shape ", grad_output,
               " does not match the output shape ", c10::SymIntArrayRef(out),
               " of linear with input ", self, " and weight ", weight);
+}
+
+void check_input_and_weight(const char* op, const at::Tensor& input, const at::Tensor& weight) {
+  // aten's message first, as F.linear's GEMM words it.
+  TORCH_CHECK(input.scalar_type() == weight.scalar_type(),
+              "expected m1 and m2 to have the same dtype, but got: ", input.dtype(), " != ",
+              weight.dtype(), "; ", op,
+              ": expected input and weight to have the same dtype, but got input ",
+              input.scalar_type(), " and weight ", weight.scalar_type());
+  check_same_dtype_and_device(op, input, "input", weight, "weight");
 }
 
 void check_same_dtype_and_device(const char* op, const at::Tensor& a, const char* a_name,

@@ -27,6 +27,9 @@ void check_linear_backward_shapes(c10::SymIntArrayRef self, c10::SymIntArrayRef 
 // Eager-only checks that two operands share dtype and device (under vmap the
 // physical tensors already do). A 0-dim CPU `b` may sit beside any device, as
 // ATen's CPU-scalar rule allows.
+// batchrules.linear's input and weight: the same dtype (aten's message) and device.
+void check_input_and_weight(const char* op, const at::Tensor& input, const at::Tensor& weight);
+
 void check_same_dtype_and_device(const char* op, const at::Tensor& a, const char* a_name,
                                  const at::Tensor& b, const char* b_name);
 
