@@ -2,7 +2,7 @@
 import argparse
 import contextlib
 import dataclasses
-import functools
+import itertools
 import sys
 import time
 import warnings
@@ -31,34 +31,6 @@ PLANS = {
     "quick": TimingPlan(block_s=0.01, budget_s=1.0, min_repeats=5, max_repeats=25, warmup_calls=0),
     "full": TimingPlan(block_s=0.05, budget_s=10.0, min_repeats=15, max_repeats=200, warmup_calls=3),
 }
-
-
-class Progress:
-    """``[#####.....] 3/19 case: stage`` redrawn in place on a terminal;
-    one line per finished case otherwise (logs stay readable)."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.finished, self.start = total, 0, time.perf_counter()
-
-    def _bar(self) -> str:
-        filled = 24 * self.finished // max(self.total, 1)
-        return f"[{'#' * filled}{'.' * (24 - filled)}] {self.finished}/{self.total}"
-
-    def stage(self, name: str, stage: str) -> None:
-        if sys.stderr.isatty():
-            print("\r\033[K" + f"{self._bar()} {name}: {stage}"[:120], end="", file=sys.stderr, flush=True)
-
-    def done(self, name: str) -> None:
-        self.finished += 1
-        elapsed = f"{time.perf_counter() - self.start:.0f}s"
-        if sys.stderr.isatty():
-            self.stage(name, f"done ({elapsed})")
-        else:
-            print(f"{self._bar()} {name} ({elapsed})", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if sys.stderr.isatty():
-            print(file=sys.stderr, flush=True)
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -160,26 +132,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     plan = plan if args.budget is None else dataclasses.replace(plan, budget_s=args.budget)
     start = time.perf_counter()
     any_compiled = any(c.tier in tiers for c in cases)
-    progress = Progress(len(cases) + 1 + int(any_compiled))
-    progress.stage("vmap floor", "timing")
+    steps = len(cases) + 1 + int(any_compiled)
+    finished = itertools.count(1)
+
+    def progress(name: str) -> None:
+        """One line per finished step, on stderr: stdout keeps the tables."""
+        print(f"[{next(finished)}/{steps}] {name} ({time.perf_counter() - start:.0f}s)", file=sys.stderr,
+              flush=True)
+
     floor = measure_vmap_floor(device, plan)
-    progress.done("vmap floor")
+    progress("vmap floor")
     results: List[CaseResult] = []
     warm_up_s, compile_broken = None, None
     with private_inductor_cache() if any_compiled else contextlib.nullcontext():
         if any_compiled:
-            progress.stage("compile warm-up", "compiling")
             try:
                 warm_up_s = warm_up_compiler(device)
             except Exception as exc:  # no C++ compiler, broken Inductor install, ...
                 compile_broken = compile_failure(exc)
                 tiers, any_compiled = (), False
-            progress.done("compile warm-up")
+            progress("compile warm-up")
         for case in cases:
-            results.append(run_case(case, device, plan, functools.partial(progress.stage, case.name),
-                                    compiled=case.tier in tiers))
-            progress.done(case.name)
-    progress.close()
+            results.append(run_case(case, device, plan, compiled=case.tier in tiers))
+            progress(case.name)
 
     linear_floor = eager_linear_kernels(device)
     checks = evaluate(results, linear_floor)

@@ -3,7 +3,6 @@ import ctypes
 import ctypes.util
 import os
 import platform
-import subprocess
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -20,16 +19,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def git_commit() -> str:
-    """The batchrules checkout's commit, when it is a git checkout."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(batchrules.__file__).parent,
-                             capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def overloaded() -> Optional[float]:
@@ -71,7 +60,6 @@ def machine_info(device: torch.device) -> Dict[str, Any]:
     info: Dict[str, Any] = {
         "torch": torch.__version__,
         "batchrules": batchrules.__version__,
-        "batchrules_commit": git_commit(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": cpu_model(),

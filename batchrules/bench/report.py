@@ -50,7 +50,6 @@ def variant_numbers(result: CaseResult, vr: VariantResult) -> Dict[str, Any]:
         "kernels_per_step": k.per_step if k else None,
         "kernels_per_linear_forward": k.per_linear_forward if k else None,
         "linear_calls": k.linear_calls if k else None,
-        "device_kernels_per_step": k.device_kernels_per_step if k else None,
         "peak_extra_bytes": vr.peak_bytes, "compiled": vr.compiled, "compile_s": vr.compile_s,
         "not_compiled": vr.not_compiled, "skipped": vr.skipped,
     }

@@ -2,7 +2,7 @@
 kernels and memory, time them."""
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -111,14 +111,12 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{where}"
 
 
-def _prepare(v: Variant, vr: VariantResult, reference: Any, device: torch.device,
-             on_stage: Callable[[str], None]) -> bool:
+def _prepare(v: Variant, vr: VariantResult, reference: Any, device: torch.device) -> bool:
     """Correctness check (which also warms the variant up), kernels, peak memory.
     Returns whether the variant ran."""
     try:
         with v.context():
             vr.check = compare(v.fn(), reference, v.rtol or RTOL)
-        on_stage(f"profile {v.name}")
         vr.kernels = count_kernels(v, device)
         vr.peak_bytes = peak_extra_bytes(v, device)
     except Exception as exc:  # a failing variant must not stop the bench
@@ -152,8 +150,7 @@ def _prepare_twin(source: Variant, vr: VariantResult, reference: Any,
     return twin
 
 
-def run_case(case: Case, device: torch.device, plan: TimingPlan,
-             on_stage: Callable[[str], None] = lambda stage: None, compiled: bool = False) -> CaseResult:
+def run_case(case: Case, device: torch.device, plan: TimingPlan, compiled: bool = False) -> CaseResult:
     """Builds the case, then for each variant: correctness check against its own
     float64 reference or the case's (which also warms it up), kernel count, peak
     memory; with ``compiled``, the compiled twins of its user-code variants
@@ -161,7 +158,6 @@ def run_case(case: Case, device: torch.device, plan: TimingPlan,
     vmap floor. A variant that raises (or a twin that does not compile) is
     reported, not timed."""
     result = CaseResult(case)
-    on_stage("setup")
     setup = case.build(device)
     result.notes.extend(setup.notes)
     for name, why in setup.skipped.items():
@@ -170,22 +166,19 @@ def run_case(case: Case, device: torch.device, plan: TimingPlan,
     runnable: List[Variant] = []
     for v in setup.variants:
         vr = result.variants[v.name] = VariantResult(v.name)
-        on_stage(f"check {v.name}")
-        if _prepare(v, vr, reference if v.reference is None else v.reference(), device, on_stage):
+        if _prepare(v, vr, reference if v.reference is None else v.reference(), device):
             runnable.append(v)
     for v in setup.variants if compiled else []:
         if v.user_code:
             name = twin_name(v.name)
             vr = result.variants[name] = VariantResult(name)
-            on_stage(f"compile {name}")
             twin = _prepare_twin(v, vr, reference if v.reference is None else v.reference(), device)
             if twin is not None:
                 runnable.append(twin)
     del reference
     if runnable:
         floor = [Variant(FLOOR, setup.floor)] if setup.floor is not None else []
-        stats = time_interleaved(runnable + floor, plan, synchronizer(device),
-                                 on_repeat=lambda done, total: on_stage(f"timing {done}/{total}"))
+        stats = time_interleaved(runnable + floor, plan, synchronizer(device))
         result.floor = stats.pop(FLOOR, None)
         for name, s in stats.items():
             result.variants[name].stats = s
