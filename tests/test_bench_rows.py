@@ -7,7 +7,6 @@ from typing import List
 import pytest
 import torch
 
-from batchrules.bench import third_party_models as models
 from batchrules.bench.baselines.opacus_variants import opacus_missing_reason
 from batchrules.bench.case import MODES, Case
 from batchrules.bench.runner import run_case
@@ -20,7 +19,7 @@ from batchrules.bench.timing import TimingPlan
 CPU = torch.device("cpu")
 PLAN = TimingPlan(block_s=0.001, budget_s=0.01, min_repeats=1, max_repeats=1, warmup_calls=0)
 RNN = rec.Size(in_features=4, hidden=5, batch=3, steps=4, members=2, classes=3)
-LM = models.Size(layers=1, d=16, heads=2, tokens=8, vocab=31, batch=4)
+LM = tp.Size(layers=1, d=16, heads=2, tokens=8, vocab=31, batch=4)
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +86,7 @@ def test_bf16_row_matches_its_references() -> None:
 
 
 def test_missing_model_package_skips_the_row() -> None:
-    def problem(device: torch.device) -> models.Problem:
+    def problem(device: torch.device) -> tp.Problem:
         import batchrules_no_such_package  # noqa: F401
         raise AssertionError("unreachable")
 
