@@ -82,11 +82,9 @@ def quiet_stderr() -> Iterator[None]:
 
 def _has_linear_ancestor(event: FunctionEvent) -> bool:
     parent = event.cpu_parent
-    while parent is not None:
-        if parent.name in LINEAR_OPS:
-            return True
+    while parent is not None and parent.name not in LINEAR_OPS:
         parent = parent.cpu_parent
-    return False
+    return parent is not None
 
 
 def count_kernels(variant: Variant, device: torch.device) -> KernelCounts:

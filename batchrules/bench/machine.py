@@ -28,17 +28,14 @@ def overloaded() -> Optional[float]:
 
 
 # Note [Steady malloc for timing]
-# torch's CPU allocator takes every tensor from malloc. glibc serves a large
-# block by mmap, and on freeing it raises its mmap and trim thresholds, or trims
-# the heap back to the OS: whether the next step's large temporaries arrive as
-# fresh pages to fault in depends on what ran before, so a kernel's time varies
-# between runs, not only between calls (oneDNN's weight gradient of a large
-# convolution on tiny inputs, several times over). Fixing both thresholds (what
-# jemalloc/tcmalloc, which torch's CPU tuning guide recommends, do by design)
-# makes every variant pay the same, and steadier. It also makes stock
-# vmap(grad)'s large per-sample gradients much cheaper, so it is a flag
-# (--steady-malloc), off by default: the default run measures what a user's
-# default environment gets.
+# torch's CPU allocator takes every tensor from malloc. glibc serves a large block
+# by mmap and, on freeing it, raises its thresholds or trims the heap: whether a
+# step's large temporaries arrive as fresh pages to fault in depends on what ran
+# before, so a kernel's time varies between runs. Fixing both thresholds (as
+# jemalloc/tcmalloc, which torch's CPU tuning guide recommends, do) makes every
+# variant pay the same. It also makes stock vmap(grad)'s large per-sample
+# gradients much cheaper, so it is a flag, off by default: the default run
+# measures what a user's default environment gets.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD, _TRIM_THRESHOLD = 32 << 20, 256 << 20
 

@@ -214,10 +214,7 @@ def plot_speedups(results: List[CaseResult], path: str) -> Optional[str]:
     width = 0.8 / max(len(variants), 1)
     fig, ax = plt.subplots(figsize=(max(10.0, 0.6 * len(names)), 5.5))
     for j, variant in enumerate(variants):
-        speedups = []
-        for r in results:
-            ratios = r.ratio("stock", variant)
-            speedups.append(ratios.median if ratios is not None else 0.0)
+        speedups = [_median(r.ratio("stock", variant)) or 0.0 for r in results]
         xs = [i + (j - (len(variants) - 1) / 2) * width for i in range(len(names))]
         ax.bar(xs, speedups, width, label=variant)
     ax.axhline(1.0, color="black", linewidth=0.8)

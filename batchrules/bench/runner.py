@@ -127,10 +127,9 @@ def _prepare(v: Variant, vr: VariantResult, reference: Any, device: torch.device
 
 def _prepare_twin(source: Variant, vr: VariantResult, reference: Any,
                   device: torch.device) -> Optional[Variant]:
-    """Compiles the twin of a user-code variant (timed), checks its result and
-    that it does not recompile, measures its peak memory. Returns the twin, or
-    None when it did not compile or failed. Kernels are not counted: Inductor's
-    generated kernels are no ATen ops, so the profiler-based count would miss them."""
+    """Compiles the twin of a user-code variant (timed), checks its result, that
+    it does not recompile and its peak memory; returns it, or None on a failure.
+    Kernels are not counted: Inductor's generated kernels are no ATen ops."""
     vr.compiled = True
     try:
         twin = compiled_twin(source)
@@ -151,12 +150,10 @@ def _prepare_twin(source: Variant, vr: VariantResult, reference: Any,
 
 
 def run_case(case: Case, device: torch.device, plan: TimingPlan, compiled: bool = False) -> CaseResult:
-    """Builds the case, then for each variant: correctness check against its own
-    float64 reference or the case's (which also warms it up), kernel count, peak
-    memory; with ``compiled``, the compiled twins of its user-code variants
-    follow; finally times the variants that ran, interleaved, with the case's
-    vmap floor. A variant that raises (or a twin that does not compile) is
-    reported, not timed."""
+    """Builds the case; checks each variant against its float64 reference (which
+    warms it up), counts its kernels and peak memory; with ``compiled``, the same
+    for the twins of the user-code variants; times the variants that ran,
+    interleaved, with the case's vmap floor. A failing variant is reported, not timed."""
     result = CaseResult(case)
     setup = case.build(device)
     result.notes.extend(setup.notes)

@@ -106,14 +106,12 @@ Reference = Callable[[nn.Module], List[Tensor]]
 
 def _opacus_ready(model: nn.Module, reference_of: Reference
                   ) -> Tuple[nn.Module, Callable[[List[Tensor]], List[Tensor]], Optional[Callable[[], Any]]]:
-    """A copy of the model as an Opacus user trains it: ModuleValidator.fix
-    swaps the layers Opacus cannot hook (nn.MultiheadAttention ->
-    DPMultiheadAttention, its packed in-projection split into q/k/v linears),
-    and no hooked layer's output is modified in place, which Opacus' hooks
-    refuse (torchvision's ResNet adds the residual into a GroupNorm's output,
-    then applies ReLU(inplace=True)). Also returns the map from the copy's
-    gradients to the model's parameter order, and the variant's own reference
-    where it needs one (None: the case's)."""
+    """A copy of the model as an Opacus user trains it: ModuleValidator.fix swaps
+    the layers Opacus cannot hook (nn.MultiheadAttention's packed in-projection
+    becomes q/k/v linears), and no hooked layer's output is modified in place,
+    which the hooks refuse (torchvision's ResNet adds the residual into a
+    GroupNorm's output, then applies ReLU(inplace=True)). Also returns the map to
+    the model's parameter order, and the variant's own reference (None: the case's)."""
     from opacus.validators import ModuleValidator
     fixed = ModuleValidator.fix(copy.deepcopy(model))
     for module in fixed.modules():
