@@ -35,9 +35,8 @@ PLANS = {
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m batchrules.bench", description=(
-        "batchrules vs stock torch.func, Opacus and hand-written code. By default one row per workload "
-        "(ensembles, per-sample gradients, a hypernetwork, the DP step, the training-step ops), eager "
-        "only: about 40 s."))
+        "batchrules vs stock torch.func, Opacus and hand-written code; by default one row per workload, "
+        "eager only (about 40 s)."))
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="mode", action="store_const", const="quick",
                       help="every scenario at its named and small sizes, short timing (~3 min on 2 cores)")
@@ -50,16 +49,14 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--only", action="append", metavar="NAME",
                    help="run the cases whose scenario/size contains NAME (repeatable)")
     p.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
-                   help="add torch.compile'd twins (stock_compiled, batchrules_compiled) of the user "
-                        "code to every case; default: with --full only (each twin compiles from "
-                        "scratch, ~10-30 s of CPU on 2 cores; compile time is reported, not timed)")
+                   help="add torch.compile'd twins of the user code to every case (default: with --full "
+                        "only); each compiles from scratch, ~10-30 s on 2 cores, reported, not timed")
     p.add_argument("--threads", type=int,
                    help="torch.set_num_threads before running (default: torch's, or 1 when the load "
                         "average exceeds the CPU count)")
     p.add_argument("--steady-malloc", action="store_true",
-                   help="fix glibc's malloc mmap and trim thresholds before timing, as jemalloc or "
-                        "tcmalloc would (steadier runs; Note [Steady malloc for timing]); off by "
-                        "default, as most users run")
+                   help="fix glibc malloc's mmap and trim thresholds, as jemalloc or tcmalloc do: "
+                        "steadier runs (Note [Steady malloc for timing]); off by default, as most users run")
     p.add_argument("--budget", type=float, metavar="SECONDS",
                    help="timing budget per case (overrides the mode's; repeats stay within its bounds)")
     p.add_argument("--json", metavar="PATH", help="write every number and machine info as JSON")

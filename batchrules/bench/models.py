@@ -43,9 +43,7 @@ def small_cnn() -> nn.Sequential:
     )
 
 
-def stacked_ensemble(
-    models: Sequence[nn.Module],
-) -> Tuple[Dict[str, Tensor], Dict[str, Tensor], nn.Module]:
+def stacked_ensemble(models: Sequence[nn.Module]) -> Tuple[Dict[str, Tensor], Dict[str, Tensor], nn.Module]:
     """The torch.func ensembling recipe: stacked params/buffers and a meta-device base."""
     params, buffers = stack_module_state(list(models))
     base = copy.deepcopy(models[0]).to("meta")
