@@ -33,7 +33,6 @@ def cudnn_flags_settable():
 
 def _recurrent_cases() -> List[Case]:
     return [*(rec.ensemble_case(k, RNN, train, "small") for k in rec.RNN for train in (False, True)),
-            *(rec.per_sample_forward_case(k, RNN, "small") for k in rec.RNN),
             rec.per_sample_grads_case(RNN, "small"), rec.dp_case(RNN, "small")]
 
 
@@ -49,7 +48,7 @@ def test_recurrent_row_runs_and_matches(case: Case) -> None:
         assert v.error is None and v.check is not None and v.check.ok, (name, v.error, v.check)
     expected = {"rnn_ensemble_fwd": {"stock", "batchrules", "limit", "loop"},
                 "rnn_ensemble_train": {"stock", "batchrules", "limit", "loop"},
-                "rnn_psg_fwd": {"stock", "batchrules", "limit"}, "psg_lstm": {"stock", "batchrules", "limit"},
+                "psg_lstm": {"stock", "batchrules", "limit"},
                 "dp_lstm": {"clipped_grad", "nonprivate", "opacus_hooks"}}[case.scenario]
     assert set(result.variants) == expected
     assert len(evaluate([result], linear_floor=2)) <= len(case.targets)
@@ -103,7 +102,7 @@ def test_rows_per_mode() -> None:
                  for mode, ns in names.items()}
     assert recurrent["smoke"] == recurrent["headline"] == []
     assert recurrent["quick"] == ["rnn_ensemble_fwd/lstm_h32", "rnn_ensemble_fwd/gru_h32", "psg_lstm/b32"]
-    assert len(recurrent["full"]) == 12
+    assert len(recurrent["full"]) == 10
     third_party = {"dp_gpt2", "dp_bert", "dp_lora", "dp_resnet18_gn", "dp_vit"}
     for mode, ns in names.items():
         assert ({n.split("/")[0] for n in ns} >= third_party) if mode == "full" else not (
