@@ -11,10 +11,10 @@ within their IQR); per-rank peak memory under FSDP2 <= 1.3x the non-private step
 import copy
 import gc
 import json
-import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, NamedTuple, cast
 
 import torch
@@ -122,23 +122,8 @@ def _worker(rank: int, world: int, port: int, sizes: Sizes, out_dir: str) -> Non
         "ddp": _measure({"nonprivate": nonprivate(ddp, ddp_opt), "dp": ddp_dp}, sizes),
         "fsdp2": _measure({"nonprivate": nonprivate(sharded, fsdp_opt), "dp": fsdp_dp}, sizes),
     }
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     dp_sgd_ranks._finish()
-
-
-def run(sizes: Sizes) -> List[dict]:
-    """Both wrappers on ``WORLD`` gloo ranks; returns each rank's results
-    ``{wrapper: {step: {times_s, peak_bytes}}}``."""
-    from batchrules.examples.dp_sgd_ranks import _spawn
-    with tempfile.TemporaryDirectory() as out_dir:
-        # worker(rank, world, port, sizes, out_dir): _spawn passes its second argument through
-        _spawn(_worker, cast(Any, sizes), WORLD, TIMEOUT_S, out_dir)
-        ranks = []
-        for r in range(WORLD):
-            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-                ranks.append(json.load(f))
-        return ranks
 
 
 def table(ranks: List[dict], sizes: Sizes) -> str:
@@ -170,8 +155,14 @@ def table(ranks: List[dict], sizes: Sizes) -> str:
 
 
 def main(smoke: bool, steady: bool) -> int:
-    """Runs both wrappers (``smoke``: tiny sizes, 3 repeats: numbers are noise;
-    ``steady``: Note [Steady malloc for timing] in each rank) and prints the table."""
+    """Runs both wrappers on ``WORLD`` gloo ranks (``smoke``: tiny sizes, 3 repeats:
+    numbers are noise; ``steady``: Note [Steady malloc for timing] in each rank)
+    and prints the table of their results ``{wrapper: {step: {times_s, peak_bytes}}}``."""
+    from batchrules.examples.dp_sgd_ranks import _spawn
     sizes = (SMOKE if smoke else Sizes())._replace(steady_malloc=steady)
-    print(table(run(sizes), sizes), flush=True)
+    with tempfile.TemporaryDirectory() as out_dir:
+        # worker(rank, world, port, sizes, out_dir): _spawn passes its second argument through
+        _spawn(_worker, cast(Any, sizes), WORLD, TIMEOUT_S, out_dir)
+        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    print(table(ranks, sizes), flush=True)
     return 0
