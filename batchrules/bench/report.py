@@ -1,7 +1,7 @@
 """The results tables (text), the JSON record and the speedup plot."""
 import json
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .compiled import twin_name
 from .runner import CaseResult, VariantResult
@@ -62,8 +62,10 @@ COLUMNS = (
 )
 
 
-def _row(cells: List[str]) -> str:
-    return " ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS)))
+def _row(cells: List[str], columns: Sequence[Tuple[str, int]] = COLUMNS, left: int = 2) -> str:
+    """The cells padded to their columns' widths, the first ``left`` left-aligned."""
+    widths = [w for _, w in columns]
+    return " ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
 
 def table(results: List[CaseResult]) -> str:
@@ -130,20 +132,16 @@ def _others(result: CaseResult) -> str:
 def headline_table(results: List[CaseResult], checks: List[TargetCheck]) -> str:
     """One line per case: stock vs batchrules vs the hand-written limit, how many
     of the case's targets were met, and the case's other variants."""
-    def row(cells: List[str]) -> str:
-        return " ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                        for i, (c, (_, w)) in enumerate(zip(cells, HEADLINE_COLUMNS))).rstrip()
-
-    lines = [row([name for name, _ in HEADLINE_COLUMNS]), "-" * 120]
+    lines = [_row([name for name, _ in HEADLINE_COLUMNS], HEADLINE_COLUMNS, 1).rstrip(), "-" * 120]
     for r in results:
         mine = [c for c in checks if c.case == r.case.name and c.verdict != "skipped"]
         speedup, to_limit = r.ratio("stock", "batchrules"), r.ratio("batchrules", "limit")
-        lines.append(row([
+        lines.append(_row([
             r.case.name, _variant_time(r.variants.get("stock")), _variant_time(r.variants.get("batchrules")),
             f"{speedup.median:.2f}x" if speedup else "-", _variant_time(r.variants.get("limit")),
             f"{to_limit.median:.2f}" if to_limit else "-",
             f"{sum(c.verdict == 'met' for c in mine)}/{len(mine)}" if mine else "-", _others(r),
-        ]))
+        ], HEADLINE_COLUMNS, 1).rstrip())
     return "\n".join(lines)
 
 

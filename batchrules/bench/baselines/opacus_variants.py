@@ -121,8 +121,7 @@ def _opacus_ready(model: nn.Module, reference_of: Reference
         for child_name, child in list(parent.named_children()):
             if isinstance(child, nn.GroupNorm):
                 setattr(parent, child_name, _ClonedOutput(child))
-    names = [n.replace(".cloned_output_of.", ".") for n, p in fixed.named_parameters()
-             if p.requires_grad]
+    names = [n.replace(".cloned_output_of.", ".") for n, p in fixed.named_parameters() if p.requires_grad]
 
     def to_model_order(grads: List[Tensor]) -> List[Tensor]:
         by_name = dict(zip(names, grads))

@@ -135,7 +135,7 @@ def _mlp(batch: int, device: torch.device) -> CaseSetup:
     model, x = mlp(MLP_SPEC).to(device), torch.randn(batch, MLP_SPEC.sizes[0], device=device)
     y = torch.randint(0, MLP_SPEC.sizes[-1], (batch,), device=device)
     params = detached_params(model)
-    layers = [(params[w], params[b]) for w, b in map(MLP_SPEC.param_keys, range(MLP_SPEC.n_linears))]
+    layers = MLP_SPEC.layers(params)
 
     def limit() -> List[Tensor]:
         sums, norms = hand_written.mlp_bookkeeping(layers, MLP_SPEC.act, x, y, MAX_NORM)

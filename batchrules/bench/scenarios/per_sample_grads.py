@@ -58,8 +58,7 @@ def _mlp_case(batch: int, tier: str) -> Case:
         y = torch.randint(0, MLP_SPEC.sizes[-1], (batch,), device=device)
 
         def limit(p: Dict[str, Tensor]) -> List[Tensor]:
-            layers = [(p[w], p[b]) for w, b in map(MLP_SPEC.param_keys, range(MLP_SPEC.n_linears))]
-            return hand_written.mlp_per_sample_grads(layers, MLP_SPEC.act, x, y)
+            return hand_written.mlp_per_sample_grads(MLP_SPEC.layers(p), MLP_SPEC.act, x, y)
 
         return psg_setup(model, x, y, limit, opacus=lambda: opacus_variant(model, x, y, cross_entropy_sum))
 
