@@ -100,7 +100,7 @@ def gpt2_problem(size: Size, device: torch.device, lora: bool = False) -> Proble
     a quarter of the samples' last eighth ``-100``."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(
+    model: nn.Module = GPT2LMHeadModel(GPT2Config(
         n_layer=size.layers, n_embd=size.d, n_head=size.heads, vocab_size=size.vocab, n_positions=size.tokens,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
     if lora:
