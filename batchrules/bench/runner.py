@@ -61,10 +61,9 @@ def compare(result: Any, reference: Any, rtol: float) -> CheckResult:
 
 @dataclass
 class VariantResult:
-    """Everything measured about one variant of a case. A compiled twin (Note
-    [Compiled twins]) has ``compile_s``, or ``not_compiled`` saying why (then
-    nothing else is set); ``skipped``: not run here, and why (its baseline's
-    package is missing)."""
+    """Everything measured about one variant of a case. A compiled twin has
+    ``compile_s``, or ``not_compiled`` saying why (then nothing else is set);
+    ``skipped``: not run here, and why (its baseline's package is missing)."""
 
     name: str
     check: Optional[CheckResult] = None

@@ -1,10 +1,9 @@
-"""Performance targets, declared per case by its scenario (``Case.targets``) and
-evaluated on the measured results, never asserted. Speed targets use the median
-of paired per-repeat ratios (``timing.verdict``: a miss within their spread is
-"noise"); a target whose variant was skipped is reported skipped, with the reason.
-Every row with compiled twins (Note [Compiled twins]) has one more target:
-batchrules compiled is not slower than stock compiled (a batchrules twin that
-does not compile where the stock one does misses it).
+"""Performance targets, declared per case by its scenario (``Case.targets``),
+evaluated, never asserted. Speed targets use the median of paired per-repeat
+ratios (``timing.verdict``: a miss within their spread is "noise"); a target
+whose variant was skipped is reported skipped, with the reason. Every row with
+compiled twins has one more: batchrules compiled not slower than stock compiled
+(a batchrules twin that does not compile where the stock one does misses it).
 """
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
