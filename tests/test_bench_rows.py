@@ -7,7 +7,6 @@ from typing import List
 import pytest
 import torch
 
-from batchrules.bench import third_party_models as models
 from batchrules.bench.baselines.opacus_variants import opacus_missing_reason
 from batchrules.bench.case import MODES, Case
 from batchrules.bench.runner import run_case
@@ -20,7 +19,7 @@ from batchrules.bench.timing import TimingPlan
 CPU = torch.device("cpu")
 PLAN = TimingPlan(block_s=0.001, budget_s=0.01, min_repeats=1, max_repeats=1, warmup_calls=0)
 RNN = rec.Size(in_features=4, hidden=5, batch=3, steps=4, members=2, classes=3)
-LM = models.Size(layers=1, d=16, heads=2, tokens=8, vocab=31, batch=4)
+LM = tp.Size(layers=1, d=16, heads=2, tokens=8, vocab=31, batch=4)
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +33,6 @@ def cudnn_flags_settable():
 
 def _recurrent_cases() -> List[Case]:
     return [*(rec.ensemble_case(k, RNN, train, "small") for k in rec.RNN for train in (False, True)),
-            *(rec.per_sample_forward_case(k, RNN, "small") for k in rec.RNN),
             rec.per_sample_grads_case(RNN, "small"), rec.dp_case(RNN, "small")]
 
 
@@ -50,7 +48,7 @@ def test_recurrent_row_runs_and_matches(case: Case) -> None:
         assert v.error is None and v.check is not None and v.check.ok, (name, v.error, v.check)
     expected = {"rnn_ensemble_fwd": {"stock", "batchrules", "limit", "loop"},
                 "rnn_ensemble_train": {"stock", "batchrules", "limit", "loop"},
-                "rnn_psg_fwd": {"stock", "batchrules", "limit"}, "psg_lstm": {"stock", "batchrules", "limit"},
+                "psg_lstm": {"stock", "batchrules", "limit"},
                 "dp_lstm": {"clipped_grad", "nonprivate", "opacus_hooks"}}[case.scenario]
     assert set(result.variants) == expected
     assert len(evaluate([result], linear_floor=2)) <= len(case.targets)
@@ -87,7 +85,7 @@ def test_bf16_row_matches_its_references() -> None:
 
 
 def test_missing_model_package_skips_the_row() -> None:
-    def problem(device: torch.device) -> models.Problem:
+    def problem(device: torch.device) -> tp.Problem:
         import batchrules_no_such_package  # noqa: F401
         raise AssertionError("unreachable")
 
@@ -104,7 +102,7 @@ def test_rows_per_mode() -> None:
                  for mode, ns in names.items()}
     assert recurrent["smoke"] == recurrent["headline"] == []
     assert recurrent["quick"] == ["rnn_ensemble_fwd/lstm_h32", "rnn_ensemble_fwd/gru_h32", "psg_lstm/b32"]
-    assert len(recurrent["full"]) == 12
+    assert len(recurrent["full"]) == 10
     third_party = {"dp_gpt2", "dp_bert", "dp_lora", "dp_resnet18_gn", "dp_vit"}
     for mode, ns in names.items():
         assert ({n.split("/")[0] for n in ns} >= third_party) if mode == "full" else not (

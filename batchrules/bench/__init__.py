@@ -1,15 +1,14 @@
 """``python -m batchrules.bench``: batchrules against stock torch.func, Opacus and
 hand-written code, side by side, in one process.
 
-Every scenario runs the *same* user code (torch.func + ``nn.Linear`` /
-``F.linear``) with batchrules routing off ("stock") and on ("batchrules"), next
-to what an expert writes without vmap ("limit", ``baselines/``) and, for
-per-sample gradients and DP, Opacus ("opacus*", skipped with the reason when it
-is not installed); with ``--full`` or ``--compiled`` also under ``torch.compile``
-(Note [Compiled twins]). Every variant is checked against a float64 reference
-before it is timed; variants are timed round-robin (Note [Why interleave]) and
-speedups are medians of per-repeat paired ratios. Each scenario declares its
-cases' targets, printed (met / missed / within noise), never asserted.
+Every scenario runs the *same* user code (torch.func + ``nn.Linear`` / ``F.linear``)
+with batchrules routing off ("stock") and on ("batchrules"), next to what an expert
+writes without vmap ("limit", ``baselines/``) and, for per-sample gradients and DP,
+Opacus ("opacus*", skipped with the reason when it is not installed); with ``--full``
+or ``--compiled`` also under ``torch.compile`` (Note [Compiled twins]). Every variant
+is checked against a float64 reference, then timed round-robin (Note [Why
+interleave]); speedups are medians of per-repeat paired ratios. Each case's targets
+are printed (met / missed / within noise), never asserted.
 
 Usage::
 
@@ -29,6 +28,3 @@ minus the case's vmap floor (``vmap`` of a function returning its input); ``vs
 s.comp`` = time(stock_compiled) / time(twin); ``compile``: seconds of a twin's
 compiling call (Note [Measuring compile time]).
 """
-from .case import Case, CaseSetup, Variant
-
-__all__ = ["Case", "CaseSetup", "Variant"]

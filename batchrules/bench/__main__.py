@@ -2,7 +2,7 @@
 import argparse
 import contextlib
 import dataclasses
-import functools
+import itertools
 import sys
 import time
 import warnings
@@ -33,39 +33,10 @@ PLANS = {
 }
 
 
-class Progress:
-    """``[#####.....] 3/19 case: stage`` redrawn in place on a terminal;
-    one line per finished case otherwise (logs stay readable)."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.finished, self.start = total, 0, time.perf_counter()
-
-    def _bar(self) -> str:
-        filled = 24 * self.finished // max(self.total, 1)
-        return f"[{'#' * filled}{'.' * (24 - filled)}] {self.finished}/{self.total}"
-
-    def stage(self, name: str, stage: str) -> None:
-        if sys.stderr.isatty():
-            print("\r\033[K" + f"{self._bar()} {name}: {stage}"[:120], end="", file=sys.stderr, flush=True)
-
-    def done(self, name: str) -> None:
-        self.finished += 1
-        elapsed = f"{time.perf_counter() - self.start:.0f}s"
-        if sys.stderr.isatty():
-            self.stage(name, f"done ({elapsed})")
-        else:
-            print(f"{self._bar()} {name} ({elapsed})", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if sys.stderr.isatty():
-            print(file=sys.stderr, flush=True)
-
-
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m batchrules.bench", description=(
-        "batchrules vs stock torch.func, Opacus and hand-written code. By default one row per workload "
-        "(ensembles, per-sample gradients, a hypernetwork, the DP step, the training-step ops), eager "
-        "only: about 40 s."))
+        "batchrules vs stock torch.func, Opacus and hand-written code; by default one row per workload, "
+        "eager only (about 40 s)."))
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="mode", action="store_const", const="quick",
                       help="every scenario at its named and small sizes, short timing (~3 min on 2 cores)")
@@ -78,16 +49,14 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--only", action="append", metavar="NAME",
                    help="run the cases whose scenario/size contains NAME (repeatable)")
     p.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
-                   help="add torch.compile'd twins (stock_compiled, batchrules_compiled) of the user "
-                        "code to every case; default: with --full only (each twin compiles from "
-                        "scratch, ~10-30 s of CPU on 2 cores; compile time is reported, not timed)")
+                   help="add torch.compile'd twins of the user code to every case (default: with --full "
+                        "only); each compiles from scratch, ~10-30 s on 2 cores, reported, not timed")
     p.add_argument("--threads", type=int,
                    help="torch.set_num_threads before running (default: torch's, or 1 when the load "
                         "average exceeds the CPU count)")
     p.add_argument("--steady-malloc", action="store_true",
-                   help="fix glibc's malloc mmap and trim thresholds before timing, as jemalloc or "
-                        "tcmalloc would (steadier runs; Note [Steady malloc for timing]); off by "
-                        "default, as most users run")
+                   help="fix glibc malloc's mmap and trim thresholds, as jemalloc or tcmalloc do: "
+                        "steadier runs (Note [Steady malloc for timing]); off by default, as most users run")
     p.add_argument("--budget", type=float, metavar="SECONDS",
                    help="timing budget per case (overrides the mode's; repeats stay within its bounds)")
     p.add_argument("--json", metavar="PATH", help="write every number and machine info as JSON")
@@ -160,26 +129,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     plan = plan if args.budget is None else dataclasses.replace(plan, budget_s=args.budget)
     start = time.perf_counter()
     any_compiled = any(c.tier in tiers for c in cases)
-    progress = Progress(len(cases) + 1 + int(any_compiled))
-    progress.stage("vmap floor", "timing")
+    steps = len(cases) + 1 + int(any_compiled)
+    finished = itertools.count(1)
+
+    def progress(name: str) -> None:
+        """One line per finished step, on stderr: stdout keeps the tables."""
+        print(f"[{next(finished)}/{steps}] {name} ({time.perf_counter() - start:.0f}s)", file=sys.stderr,
+              flush=True)
+
     floor = measure_vmap_floor(device, plan)
-    progress.done("vmap floor")
+    progress("vmap floor")
     results: List[CaseResult] = []
     warm_up_s, compile_broken = None, None
     with private_inductor_cache() if any_compiled else contextlib.nullcontext():
         if any_compiled:
-            progress.stage("compile warm-up", "compiling")
             try:
                 warm_up_s = warm_up_compiler(device)
             except Exception as exc:  # no C++ compiler, broken Inductor install, ...
                 compile_broken = compile_failure(exc)
                 tiers, any_compiled = (), False
-            progress.done("compile warm-up")
+            progress("compile warm-up")
         for case in cases:
-            results.append(run_case(case, device, plan, functools.partial(progress.stage, case.name),
-                                    compiled=case.tier in tiers))
-            progress.done(case.name)
-    progress.close()
+            results.append(run_case(case, device, plan, compiled=case.tier in tiers))
+            progress(case.name)
 
     linear_floor = eager_linear_kernels(device)
     checks = evaluate(results, linear_floor)

@@ -9,10 +9,8 @@ import batchrules
 
 # Size tiers: "small" is overhead-bound (targets are looser there).
 TIERS = ("small", "medium", "large")
-# What a run covers, smallest first: ``smoke`` checks the bench runs (numbers
-# are noise); ``headline`` (the default) is one row per workload, about
-# 40 s; ``quick`` every scenario at its named and small sizes; ``full`` every
-# size. Each scenario says which of its sizes each mode runs.
+# What a run covers, smallest first (the CLI's --help says what each is); each
+# scenario says which of its sizes each mode runs.
 MODES = ("smoke", "headline", "quick", "full")
 
 

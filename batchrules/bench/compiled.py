@@ -9,12 +9,11 @@ step's code object (``fresh_function``): the stock and batchrules twins are two
 compilations of one function. A graph break is a failure reported on the row.
 
 Note [Measuring compile time]
-A twin's first call (tracing, code generation, compilation and one run) is its
-compile time, excluded from the step timings. Caches are disabled and
-Inductor's cache directory is a temporary one, so every twin compiles from
-scratch; a warm-up compile first pays the process's one-off cost. A second call
-and the peak-memory run, under ``fail_on_recompile``, check that nothing
-compiles while the step is timed.
+A twin's first call (tracing, code generation, compilation, one run) is its
+compile time, excluded from the step timings. Caches are disabled and Inductor's
+cache directory is a temporary one, so every twin compiles from scratch, after a
+warm-up compile paid the process's one-off cost. A second call and the peak-memory
+run, under ``fail_on_recompile``, check that nothing compiles while timed.
 """
 import contextlib
 import os

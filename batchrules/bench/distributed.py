@@ -1,25 +1,20 @@
 """``python -m batchrules.bench --distributed [--smoke]``: the DP step on 2 gloo
-ranks, under DDP and FSDP2, against the non-private step under the same wrapper.
-
-Not a scenario: these steps are collectives that the ranks must run in the same
-order. Each rank (1 thread) holds the example's transformer (``examples/dp_sgd.py``)
-and its share of a fixed batch; per wrapper it alternates the non-private step
-(``loss.backward()`` through the wrapper, SGD) and the DP one (``dp_step``:
-clipped_grad, its noise shard, one ``all_reduce_flat``; FSDP2: ``fsdp_step``, one
-``reduce_scatter_flat``) in rounds as the main bench does (Note [Why interleave],
-a barrier before each step) and reports each step's median time, the median and
-IQR of the rounds' paired dp/np ratios and the least of their peak memory.
-Targets: each DP step <= 1.3x its wrapper's non-private step (a miss whose
-threshold lies within the IQR is "noise"); per-rank peak memory under FSDP2
-<= 1.3x the non-private FSDP2 step's.
+ranks under DDP and FSDP2 against the non-private step under the same wrapper.
+Not a scenario: the steps are collectives the ranks must run in the same order.
+Each rank (1 thread) holds the transformer of ``examples/dp_sgd.py`` and its share
+of a fixed batch, and alternates the non-private step with the DP one (``dp_step``,
+one ``all_reduce_flat``; FSDP2: ``fsdp_step``, one ``reduce_scatter_flat``) in
+rounds, a barrier before each step (Note [Why interleave]). Targets: each DP step
+<= 1.3x its wrapper's non-private step (median of the paired ratios, "noise" when
+within their IQR); per-rank peak memory under FSDP2 <= 1.3x the non-private step's.
 """
 import copy
 import gc
 import json
-import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, NamedTuple, cast
 
 import torch
@@ -34,8 +29,9 @@ from .memory import peak_extra_bytes
 from .timing import Stats, paired_ratios, verdict
 
 WORLD = 2
-TIME_RATIO = 1.3
-MEMORY_RATIO = 1.3
+TIME_RATIO = MEMORY_RATIO = 1.3
+TIMEOUT_S = 300.0
+PEAK_READINGS = 5
 
 
 class Sizes(NamedTuple):
@@ -49,9 +45,7 @@ class Sizes(NamedTuple):
     steady_malloc: bool = False  # Note [Steady malloc for timing]
 
 
-FULL = Sizes()
-PEAK_READINGS = 5
-SMOKE = Sizes(d_model=32, heads=4, ff=64, layers=2, batch=8, repeats=3, warmup=1)
+SMOKE = Sizes(d_model=32, ff=64, batch=8, repeats=3, warmup=1)
 
 
 def _measure(steps: Dict[str, Callable[[], None]], sizes: Sizes) -> Dict[str, Dict[str, Any]]:
@@ -128,23 +122,8 @@ def _worker(rank: int, world: int, port: int, sizes: Sizes, out_dir: str) -> Non
         "ddp": _measure({"nonprivate": nonprivate(ddp, ddp_opt), "dp": ddp_dp}, sizes),
         "fsdp2": _measure({"nonprivate": nonprivate(sharded, fsdp_opt), "dp": fsdp_dp}, sizes),
     }
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     dp_sgd_ranks._finish()
-
-
-def run(sizes: Sizes = FULL, timeout_s: float = 300.0) -> List[dict]:
-    """Both wrappers on ``WORLD`` gloo ranks; returns each rank's results
-    ``{wrapper: {step: {times_s, peak_bytes}}}``."""
-    from batchrules.examples.dp_sgd_ranks import _spawn
-    with tempfile.TemporaryDirectory() as out_dir:
-        # worker(rank, world, port, sizes, out_dir): _spawn passes its second argument through
-        _spawn(_worker, cast(Any, sizes), WORLD, timeout_s, out_dir)
-        ranks = []
-        for r in range(WORLD):
-            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-                ranks.append(json.load(f))
-        return ranks
 
 
 def table(ranks: List[dict], sizes: Sizes) -> str:
@@ -175,9 +154,15 @@ def table(ranks: List[dict], sizes: Sizes) -> str:
     return "\n".join(lines)
 
 
-def main(smoke: bool = False, steady: bool = False, timeout_s: float = 300.0) -> int:
-    """Runs both wrappers (``smoke``: tiny sizes, 3 repeats: numbers are noise;
-    ``steady``: Note [Steady malloc for timing] in each rank) and prints the table."""
-    sizes = (SMOKE if smoke else FULL)._replace(steady_malloc=steady)
-    print(table(run(sizes, timeout_s), sizes), flush=True)
+def main(smoke: bool, steady: bool) -> int:
+    """Runs both wrappers on ``WORLD`` gloo ranks (``smoke``: tiny sizes, 3 repeats:
+    numbers are noise; ``steady``: Note [Steady malloc for timing] in each rank)
+    and prints the table of their results ``{wrapper: {step: {times_s, peak_bytes}}}``."""
+    from batchrules.examples.dp_sgd_ranks import _spawn
+    sizes = (SMOKE if smoke else Sizes())._replace(steady_malloc=steady)
+    with tempfile.TemporaryDirectory() as out_dir:
+        # worker(rank, world, port, sizes, out_dir): _spawn passes its second argument through
+        _spawn(_worker, cast(Any, sizes), WORLD, TIMEOUT_S, out_dir)
+        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    print(table(ranks, sizes), flush=True)
     return 0

@@ -17,7 +17,7 @@ import contextlib
 import os
 import sys
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 from torch.autograd.profiler_util import FunctionEvent
@@ -49,7 +49,6 @@ class KernelCounts:
     per_step: int
     linear_calls: int
     per_linear_forward: Optional[float]
-    device_kernels_per_step: Optional[int]
 
 
 def _count(event: FunctionEvent) -> Tuple[int, bool]:
@@ -83,27 +82,22 @@ def quiet_stderr() -> Iterator[None]:
 
 def _has_linear_ancestor(event: FunctionEvent) -> bool:
     parent = event.cpu_parent
-    while parent is not None:
-        if parent.name in LINEAR_OPS:
-            return True
+    while parent is not None and parent.name not in LINEAR_OPS:
         parent = parent.cpu_parent
-    return False
+    return parent is not None
 
 
 def count_kernels(variant: Variant, device: torch.device) -> KernelCounts:
     """Profiles one (already warmed-up) step of the variant."""
-    cuda = [ProfilerActivity.CUDA] if device.type == "cuda" else []
-    with variant.context(), quiet_stderr(), profile(activities=[ProfilerActivity.CPU, *cuda]) as prof:
+    with variant.context(), quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
         variant.fn()
         synchronizer(device)()
-    events: List[FunctionEvent] = list(prof.events())
-    cpu_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    cpu_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     per_step = sum(_count(e)[0] for e in cpu_events if e.cpu_parent is None)
     linears = [e for e in cpu_events if e.name in LINEAR_OPS and not _has_linear_ancestor(e)]
     per_linear = sum(_count(e)[0] for e in linears) / len(linears) if linears else None
-    device_kernels = (sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
-                      if device.type == "cuda" else None)
-    return KernelCounts(per_step, len(linears), per_linear, device_kernels)
+    return KernelCounts(per_step, len(linears), per_linear)
+
 
 def eager_linear_kernels(device: torch.device) -> int:
     """Kernels of one eager ``F.linear`` with bias: the floor for one linear."""

@@ -3,7 +3,6 @@ import ctypes
 import ctypes.util
 import os
 import platform
-import subprocess
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -22,16 +21,6 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def git_commit() -> str:
-    """The batchrules checkout's commit, when it is a git checkout."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(batchrules.__file__).parent,
-                             capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def overloaded() -> Optional[float]:
     """The 1-minute load average when it exceeds the CPU count, else None."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
@@ -39,17 +28,14 @@ def overloaded() -> Optional[float]:
 
 
 # Note [Steady malloc for timing]
-# torch's CPU allocator takes every tensor from malloc. glibc serves a large
-# block by mmap, and on freeing it raises its mmap and trim thresholds, or trims
-# the heap back to the OS: whether the next step's large temporaries arrive as
-# fresh pages to fault in depends on what ran before, so a kernel's time varies
-# between runs, not only between calls (oneDNN's weight gradient of a large
-# convolution on tiny inputs, several times over). Fixing both thresholds (what
-# jemalloc/tcmalloc, which torch's CPU tuning guide recommends, do by design)
-# makes every variant pay the same, and steadier. It also makes stock
-# vmap(grad)'s large per-sample gradients much cheaper, so it is a flag
-# (--steady-malloc), off by default: the default run measures what a user's
-# default environment gets.
+# torch's CPU allocator takes every tensor from malloc. glibc serves a large block
+# by mmap and, on freeing it, raises its thresholds or trims the heap: whether a
+# step's large temporaries arrive as fresh pages to fault in depends on what ran
+# before, so a kernel's time varies between runs. Fixing both thresholds (as
+# jemalloc/tcmalloc, which torch's CPU tuning guide recommends, do) makes every
+# variant pay the same. It also makes stock vmap(grad)'s large per-sample
+# gradients much cheaper, so it is a flag, off by default: the default run
+# measures what a user's default environment gets.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD, _TRIM_THRESHOLD = 32 << 20, 256 << 20
 
@@ -62,8 +48,7 @@ def steady_malloc() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
-                and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
 
 
 def machine_info(device: torch.device) -> Dict[str, Any]:
@@ -71,7 +56,6 @@ def machine_info(device: torch.device) -> Dict[str, Any]:
     info: Dict[str, Any] = {
         "torch": torch.__version__,
         "batchrules": batchrules.__version__,
-        "batchrules_commit": git_commit(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": cpu_model(),

@@ -39,11 +39,8 @@ def peak_extra_bytes(variant: Variant, device: torch.device) -> Optional[int]:
     kineto = getattr(prof.profiler, "kineto_results", None)
     if kineto is None:  # a torch without raw profiler records: report nothing
         return None
-    records = [
-        e
-        for e in kineto.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    ]
+    records = [e for e in kineto.events()
+               if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
     running = peak = 0
     for record in sorted(records, key=lambda e: e.start_ns()):
         running += record.nbytes()

@@ -19,9 +19,9 @@ class MlpSpec(NamedTuple):
     def n_linears(self) -> int:
         return len(self.sizes) - 1
 
-    def param_keys(self, layer: int) -> Tuple[str, str]:
-        """The ``nn.Sequential`` keys of a linear layer's weight and bias."""
-        return f"{2 * layer}.weight", f"{2 * layer}.bias"
+    def layers(self, params: Dict[str, Tensor]) -> List[Tuple[Tensor, Tensor]]:
+        """Each linear layer's weight and bias in ``params``, keyed as ``mlp``'s ``nn.Sequential``."""
+        return [(params[f"{2 * i}.weight"], params[f"{2 * i}.bias"]) for i in range(self.n_linears)]
 
 
 def mlp(spec: MlpSpec) -> nn.Sequential:
@@ -43,9 +43,7 @@ def small_cnn() -> nn.Sequential:
     )
 
 
-def stacked_ensemble(
-    models: Sequence[nn.Module],
-) -> Tuple[Dict[str, Tensor], Dict[str, Tensor], nn.Module]:
+def stacked_ensemble(models: Sequence[nn.Module]) -> Tuple[Dict[str, Tensor], Dict[str, Tensor], nn.Module]:
     """The torch.func ensembling recipe: stacked params/buffers and a meta-device base."""
     params, buffers = stack_module_state(list(models))
     base = copy.deepcopy(models[0]).to("meta")
@@ -57,12 +55,8 @@ def detached_params(model: nn.Module) -> Dict[str, Tensor]:
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
-def mse(out: Tensor, target: Tensor) -> Tensor:
-    return F.mse_loss(out, target)
-
-
-def cross_entropy(out: Tensor, target: Tensor) -> Tensor:
-    return F.cross_entropy(out, target)
+# The scenarios' losses, mean over the batch.
+mse, cross_entropy = F.mse_loss, F.cross_entropy
 
 
 def in_float64(model: nn.Module) -> nn.Module:

@@ -1,7 +1,7 @@
 """The results tables (text), the JSON record and the speedup plot."""
 import json
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .compiled import twin_name
 from .runner import CaseResult, VariantResult
@@ -50,7 +50,6 @@ def variant_numbers(result: CaseResult, vr: VariantResult) -> Dict[str, Any]:
         "kernels_per_step": k.per_step if k else None,
         "kernels_per_linear_forward": k.per_linear_forward if k else None,
         "linear_calls": k.linear_calls if k else None,
-        "device_kernels_per_step": k.device_kernels_per_step if k else None,
         "peak_extra_bytes": vr.peak_bytes, "compiled": vr.compiled, "compile_s": vr.compile_s,
         "not_compiled": vr.not_compiled, "skipped": vr.skipped,
     }
@@ -63,8 +62,10 @@ COLUMNS = (
 )
 
 
-def _row(cells: List[str]) -> str:
-    return " ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS)))
+def _row(cells: List[str], columns: Sequence[Tuple[str, int]] = COLUMNS, left: int = 2) -> str:
+    """The cells padded to their columns' widths, the first ``left`` left-aligned."""
+    widths = [w for _, w in columns]
+    return " ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
 
 def table(results: List[CaseResult]) -> str:
@@ -131,20 +132,16 @@ def _others(result: CaseResult) -> str:
 def headline_table(results: List[CaseResult], checks: List[TargetCheck]) -> str:
     """One line per case: stock vs batchrules vs the hand-written limit, how many
     of the case's targets were met, and the case's other variants."""
-    def row(cells: List[str]) -> str:
-        return " ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                        for i, (c, (_, w)) in enumerate(zip(cells, HEADLINE_COLUMNS))).rstrip()
-
-    lines = [row([name for name, _ in HEADLINE_COLUMNS]), "-" * 120]
+    lines = [_row([name for name, _ in HEADLINE_COLUMNS], HEADLINE_COLUMNS, 1).rstrip(), "-" * 120]
     for r in results:
         mine = [c for c in checks if c.case == r.case.name and c.verdict != "skipped"]
         speedup, to_limit = r.ratio("stock", "batchrules"), r.ratio("batchrules", "limit")
-        lines.append(row([
+        lines.append(_row([
             r.case.name, _variant_time(r.variants.get("stock")), _variant_time(r.variants.get("batchrules")),
             f"{speedup.median:.2f}x" if speedup else "-", _variant_time(r.variants.get("limit")),
             f"{to_limit.median:.2f}" if to_limit else "-",
             f"{sum(c.verdict == 'met' for c in mine)}/{len(mine)}" if mine else "-", _others(r),
-        ]))
+        ], HEADLINE_COLUMNS, 1).rstrip())
     return "\n".join(lines)
 
 
@@ -215,10 +212,7 @@ def plot_speedups(results: List[CaseResult], path: str) -> Optional[str]:
     width = 0.8 / max(len(variants), 1)
     fig, ax = plt.subplots(figsize=(max(10.0, 0.6 * len(names)), 5.5))
     for j, variant in enumerate(variants):
-        speedups = []
-        for r in results:
-            ratios = r.ratio("stock", variant)
-            speedups.append(ratios.median if ratios is not None else 0.0)
+        speedups = [_median(r.ratio("stock", variant)) or 0.0 for r in results]
         xs = [i + (j - (len(variants) - 1) / 2) * width for i in range(len(names))]
         ax.bar(xs, speedups, width, label=variant)
     ax.axhline(1.0, color="black", linewidth=0.8)

@@ -2,7 +2,7 @@
 kernels and memory, time them."""
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -61,10 +61,9 @@ def compare(result: Any, reference: Any, rtol: float) -> CheckResult:
 
 @dataclass
 class VariantResult:
-    """Everything measured about one variant of a case. A compiled twin (Note
-    [Compiled twins]) has ``compile_s``, or ``not_compiled`` saying why (then
-    nothing else is set); ``skipped``: not run here, and why (its baseline's
-    package is missing)."""
+    """Everything measured about one variant of a case. A compiled twin has
+    ``compile_s``, or ``not_compiled`` saying why (then nothing else is set);
+    ``skipped``: not run here, and why (its baseline's package is missing)."""
 
     name: str
     check: Optional[CheckResult] = None
@@ -111,14 +110,12 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{where}"
 
 
-def _prepare(v: Variant, vr: VariantResult, reference: Any, device: torch.device,
-             on_stage: Callable[[str], None]) -> bool:
+def _prepare(v: Variant, vr: VariantResult, reference: Any, device: torch.device) -> bool:
     """Correctness check (which also warms the variant up), kernels, peak memory.
     Returns whether the variant ran."""
     try:
         with v.context():
             vr.check = compare(v.fn(), reference, v.rtol or RTOL)
-        on_stage(f"profile {v.name}")
         vr.kernels = count_kernels(v, device)
         vr.peak_bytes = peak_extra_bytes(v, device)
     except Exception as exc:  # a failing variant must not stop the bench
@@ -129,10 +126,9 @@ def _prepare(v: Variant, vr: VariantResult, reference: Any, device: torch.device
 
 def _prepare_twin(source: Variant, vr: VariantResult, reference: Any,
                   device: torch.device) -> Optional[Variant]:
-    """Compiles the twin of a user-code variant (timed), checks its result and
-    that it does not recompile, measures its peak memory. Returns the twin, or
-    None when it did not compile or failed. Kernels are not counted: Inductor's
-    generated kernels are no ATen ops, so the profiler-based count would miss them."""
+    """Compiles the twin of a user-code variant (timed), checks its result, that
+    it does not recompile and its peak memory; returns it, or None on a failure.
+    Kernels are not counted: Inductor's generated kernels are no ATen ops."""
     vr.compiled = True
     try:
         twin = compiled_twin(source)
@@ -152,16 +148,12 @@ def _prepare_twin(source: Variant, vr: VariantResult, reference: Any,
     return twin
 
 
-def run_case(case: Case, device: torch.device, plan: TimingPlan,
-             on_stage: Callable[[str], None] = lambda stage: None, compiled: bool = False) -> CaseResult:
-    """Builds the case, then for each variant: correctness check against its own
-    float64 reference or the case's (which also warms it up), kernel count, peak
-    memory; with ``compiled``, the compiled twins of its user-code variants
-    follow; finally times the variants that ran, interleaved, with the case's
-    vmap floor. A variant that raises (or a twin that does not compile) is
-    reported, not timed."""
+def run_case(case: Case, device: torch.device, plan: TimingPlan, compiled: bool = False) -> CaseResult:
+    """Builds the case; checks each variant against its float64 reference (which
+    warms it up), counts its kernels and peak memory; with ``compiled``, the same
+    for the twins of the user-code variants; times the variants that ran,
+    interleaved, with the case's vmap floor. A failing variant is reported, not timed."""
     result = CaseResult(case)
-    on_stage("setup")
     setup = case.build(device)
     result.notes.extend(setup.notes)
     for name, why in setup.skipped.items():
@@ -170,22 +162,19 @@ def run_case(case: Case, device: torch.device, plan: TimingPlan,
     runnable: List[Variant] = []
     for v in setup.variants:
         vr = result.variants[v.name] = VariantResult(v.name)
-        on_stage(f"check {v.name}")
-        if _prepare(v, vr, reference if v.reference is None else v.reference(), device, on_stage):
+        if _prepare(v, vr, reference if v.reference is None else v.reference(), device):
             runnable.append(v)
     for v in setup.variants if compiled else []:
         if v.user_code:
             name = twin_name(v.name)
             vr = result.variants[name] = VariantResult(name)
-            on_stage(f"compile {name}")
             twin = _prepare_twin(v, vr, reference if v.reference is None else v.reference(), device)
             if twin is not None:
                 runnable.append(twin)
     del reference
     if runnable:
         floor = [Variant(FLOOR, setup.floor)] if setup.floor is not None else []
-        stats = time_interleaved(runnable + floor, plan, synchronizer(device),
-                                 on_repeat=lambda done, total: on_stage(f"timing {done}/{total}"))
+        stats = time_interleaved(runnable + floor, plan, synchronizer(device))
         result.floor = stats.pop(FLOOR, None)
         for name, s in stats.items():
             result.variants[name].stats = s

@@ -1,13 +1,12 @@
-"""Performance targets, declared per case by its scenario (``Case.targets``) and
-evaluated on the measured results, never asserted. Speed targets use the median
-of paired per-repeat ratios (``timing.verdict``: a miss within their spread is
-"noise"); a target whose variant was skipped is reported skipped, with the reason.
-Every row with compiled twins (Note [Compiled twins]) has one more target:
-batchrules compiled is not slower than stock compiled (a batchrules twin that
-does not compile where the stock one does misses it).
+"""Performance targets, declared per case by its scenario (``Case.targets``),
+evaluated, never asserted. Speed targets use the median of paired per-repeat
+ratios (``timing.verdict``: a miss within their spread is "noise"); a target
+whose variant was skipped is reported skipped, with the reason. Every row with
+compiled twins has one more: batchrules compiled not slower than stock compiled
+(a batchrules twin that does not compile where the stock one does misses it).
 """
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 from .compiled import twin_name
 from .runner import CaseResult
@@ -28,15 +27,6 @@ class TargetCheck:
     detail: str = ""
 
 
-def _skipped(label: str, result: CaseResult, names: Sequence[str]) -> Optional[TargetCheck]:
-    """A "skipped" check when one of the variants was skipped, else None."""
-    for name in names:
-        v = result.variants.get(name)
-        if v is not None and v.skipped is not None:
-            return TargetCheck(label, result.case.name, 0.0, 0.0, "skipped", f"{name}: {v.skipped}")
-    return None
-
-
 @dataclass(frozen=True)
 class Speedup:
     """Median of paired ``time(slow) / time(fast)`` >= threshold. ``slow``: a
@@ -51,9 +41,10 @@ class Speedup:
 
     def check(self, result: CaseResult, linear_floor: int) -> Optional[TargetCheck]:
         slow = (self.slow,) if isinstance(self.slow, str) else self.slow
-        skipped = _skipped(self.label, result, (*slow, self.fast))
-        if skipped is not None:
-            return skipped
+        for name in (*slow, self.fast):
+            v = result.variants.get(name)
+            if v is not None and v.skipped is not None:
+                return TargetCheck(self.label, result.case.name, 0.0, 0.0, "skipped", f"{name}: {v.skipped}")
         *slow_stats, fast = [result.stats(name) for name in (*slow, self.fast)]
         if fast is None or any(s is None for s in slow_stats):
             return None

@@ -79,8 +79,8 @@ class TimingPlan:
     warmup_calls: int = 2
 
 
-def time_interleaved(variants: Sequence[Variant], plan: TimingPlan, sync: Callable[[], None],
-                     on_repeat: Callable[[int, int], None] = lambda done, total: None) -> Dict[str, Stats]:
+def time_interleaved(variants: Sequence[Variant], plan: TimingPlan,
+                     sync: Callable[[], None]) -> Dict[str, Stats]:
     """Times every variant round-robin (Note [Why interleave]), the garbage
     collector off. Each variant is warmed up, then one call sizes its block; the
     number of repeats fits all blocks into ``plan.budget_s`` within the plan's bounds."""
@@ -101,7 +101,6 @@ def time_interleaved(variants: Sequence[Variant], plan: TimingPlan, sync: Callab
             shift = r % len(variants)
             for v in [*variants[shift:], *variants[:shift]]:
                 times[v.name].append(time_block(v, calls[v.name], sync))
-            on_repeat(r + 1, repeats)
     return {name: Stats(t) for name, t in times.items()}
 
 

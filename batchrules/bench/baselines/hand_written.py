@@ -38,13 +38,9 @@ def ensemble_forward(layers: Sequence[Layer], act: str, x: Tensor, shared: bool)
     return h
 
 
-def ensemble_mse_grads(
-    layers: Sequence[Layer], act: str, x: Tensor, y: Tensor
-) -> List[Tensor]:
-    """Per-member gradients of ``mse_loss(member(x[e]), y[e])``, manual backward.
-
-    Returns [gW0, gb0, gW1, gb1, ...] with a leading member dim.
-    """
+def ensemble_mse_grads(layers: Sequence[Layer], act: str, x: Tensor, y: Tensor) -> List[Tensor]:
+    """Per-member gradients of ``mse_loss(member(x[e]), y[e])``, manual backward:
+    [gW0, gb0, gW1, gb1, ...] with a leading member dim."""
     inputs, pre_acts = [], []
     h = x
     for i, (w, b) in enumerate(layers):

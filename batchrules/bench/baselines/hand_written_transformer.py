@@ -1,9 +1,8 @@
 """Hand-written transformer baseline: one nn.TransformerEncoderLayer (post-norm,
-relu, batch-first) over a stack of weight sets (the members', or the shared
-weights expanded per sample, stride 0), written with bmm, and one autograd
-backward through it: the gradient of each stacked copy is that member's
-(sample's). Attention runs SDPA on the folded [stack * batch, H, T, hd] batch.
-"""
+relu, batch-first) over a stack of weight sets (the members', or the shared weights
+expanded per sample, stride 0) with bmm, SDPA on the folded [stack * batch, H, T,
+hd] batch, and one autograd backward: each stacked copy's gradient is that member's
+(sample's)."""
 from typing import Dict, List
 
 import torch

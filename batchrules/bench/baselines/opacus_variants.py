@@ -31,11 +31,9 @@ def with_opacus(setup: CaseSetup, names: Sequence[str], build: Callable[[], List
 
 
 def _hooked_backward(loss: Tensor, params: Iterable[Any]) -> List[Tensor]:
-    """``loss.backward()`` through Opacus' hooks, then each parameter's
-    ``grad_sample``, dropped from the parameter so that, as for the other
-    variants, the caller holds the only copy of a step's result. (The hooks fire
-    on module outputs because the input needs no grad, as intended here; torch
-    warns about that on every step.)"""
+    """``loss.backward()`` through Opacus' hooks, then each parameter's ``grad_sample``,
+    dropped from it so that the caller holds the only copy of the result. (The hooks
+    fire on module outputs as the input needs no grad; torch warns on every step.)"""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         loss.backward()
@@ -46,14 +44,13 @@ def _hooked_backward(loss: Tensor, params: Iterable[Any]) -> List[Tensor]:
     return grads
 
 
-def opacus_variant(model: nn.Module, x: Tensor, y: Tensor, loss_sum: Callable[[Tensor, Tensor], Tensor]
-                   ) -> Variant:
-    """Per-sample gradients the Opacus way: forward the batch, backward a summed
-    loss (each sample's gradient is that of its own loss), read ``p.grad_sample``."""
+def opacus_variant(model: nn.Module, x: Tensor, y: Tensor) -> Variant:
+    """Per-sample gradients the Opacus way: forward the batch, backward the summed
+    cross-entropy (each sample's gradient is that of its own loss), read ``p.grad_sample``."""
     from opacus import GradSampleModule
     module = GradSampleModule(copy.deepcopy(model), batch_first=True, loss_reduction="sum")
     params = [p for p in module.parameters() if p.requires_grad]
-    return Variant("opacus", lambda: _hooked_backward(loss_sum(module(x), y), params))
+    return Variant("opacus", lambda: _hooked_backward(cross_entropy_sum(module(x), y), params))
 
 
 def opacus_encoder_variant(model: nn.Module, seq_first: nn.Module, x: Tensor, y: Tensor) -> Variant:
@@ -106,14 +103,12 @@ Reference = Callable[[nn.Module], List[Tensor]]
 
 def _opacus_ready(model: nn.Module, reference_of: Reference
                   ) -> Tuple[nn.Module, Callable[[List[Tensor]], List[Tensor]], Optional[Callable[[], Any]]]:
-    """A copy of the model as an Opacus user trains it: ModuleValidator.fix
-    swaps the layers Opacus cannot hook (nn.MultiheadAttention ->
-    DPMultiheadAttention, its packed in-projection split into q/k/v linears),
-    and no hooked layer's output is modified in place, which Opacus' hooks
-    refuse (torchvision's ResNet adds the residual into a GroupNorm's output,
-    then applies ReLU(inplace=True)). Also returns the map from the copy's
-    gradients to the model's parameter order, and the variant's own reference
-    where it needs one (None: the case's)."""
+    """A copy of the model as an Opacus user trains it: ModuleValidator.fix swaps
+    the layers Opacus cannot hook (nn.MultiheadAttention's packed in-projection
+    becomes q/k/v linears), and no hooked layer's output is modified in place,
+    which the hooks refuse (torchvision's ResNet adds the residual into a
+    GroupNorm's output, then applies ReLU(inplace=True)). Also returns the map to
+    the model's parameter order, and the variant's own reference (None: the case's)."""
     from opacus.validators import ModuleValidator
     fixed = ModuleValidator.fix(copy.deepcopy(model))
     for module in fixed.modules():
@@ -123,8 +118,7 @@ def _opacus_ready(model: nn.Module, reference_of: Reference
         for child_name, child in list(parent.named_children()):
             if isinstance(child, nn.GroupNorm):
                 setattr(parent, child_name, _ClonedOutput(child))
-    names = [n.replace(".cloned_output_of.", ".") for n, p in fixed.named_parameters()
-             if p.requires_grad]
+    names = [n.replace(".cloned_output_of.", ".") for n, p in fixed.named_parameters() if p.requires_grad]
 
     def to_model_order(grads: List[Tensor]) -> List[Tensor]:
         by_name = dict(zip(names, grads))

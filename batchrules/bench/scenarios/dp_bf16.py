@@ -5,6 +5,7 @@ non-private step, each checked against the float64 references within
 with avx512_bf16 or AMX; any CUDA device): the bf16 DP step faster than float32.
 """
 import dataclasses
+import functools
 from typing import Callable, Dict, List
 
 import torch
@@ -49,9 +50,7 @@ def _build(device: torch.device) -> CaseSetup:
             return list(torch.autograd.grad(cross_entropy_sum(logits.float(), y), trainable))
         return step
 
-    def summed() -> List[Tensor]:
-        return summed_reference(model, x, y)
-
+    summed = functools.partial(summed_reference, model, x, y)
     return CaseSetup([dp_step(False), dp_step(True),
                       Variant("nonprivate", nonprivate(False), reference=summed),
                       Variant("nonprivate_bf16", nonprivate(True), reference=summed, rtol=BF16_RTOL)],

@@ -85,8 +85,7 @@ def clipped_grad_variant(clipped: Callable[..., Any], *args: Any) -> Variant:
     return Variant("clipped_grad", step)
 
 
-def _dp_setup(model: nn.Module, x: Tensor, y: Tensor,
-              limit: Optional[Callable[[], Any]] = None) -> CaseSetup:
+def _dp_setup(model: nn.Module, x: Tensor, y: Tensor, limit: Optional[Callable[[], Any]] = None) -> CaseSetup:
     params, trainable = detached_params(model), list(model.parameters())
 
     def sample_loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
@@ -97,8 +96,7 @@ def _dp_setup(model: nn.Module, x: Tensor, y: Tensor,
     def vmap_clip() -> List[Tensor]:
         return clip_and_sum(per_sample_grads(params, x, y), MAX_NORM)
 
-    def reference_of(m: nn.Module) -> List[Tensor]:
-        return loop_reference(m, x, y)
+    reference_of = functools.partial(loop_reference, x=x, y=y)
 
     def nonprivate() -> List[Tensor]:
         return list(torch.autograd.grad(cross_entropy_sum(model(x), y), trainable))
@@ -132,52 +130,43 @@ def _targets(near_nonprivate: bool, vs_stock: bool = False) -> Sequence[Target]:
             *([VS_STOCK] if vs_stock else []), PEAK_MEMORY]
 
 
-def _case(scenario: str, size: str, tier: str, n_linears: int, description: str,
-          make: Callable[[torch.device], Tuple[nn.Module, Tensor, Tensor]], targets: Sequence[Target],
-          with_limit: bool = False) -> Case:
-    def build(device: torch.device) -> CaseSetup:
-        model, x, y = make(device)
-        params = detached_params(model) if with_limit else {}
-        layers = [(params[w], params[b]) for w, b in map(MLP_SPEC.param_keys, range(MLP_SPEC.n_linears))
-                  if with_limit]
+def _mlp(batch: int, device: torch.device) -> CaseSetup:
+    """With the limit: clipping by book-keeping."""
+    model, x = mlp(MLP_SPEC).to(device), torch.randn(batch, MLP_SPEC.sizes[0], device=device)
+    y = torch.randint(0, MLP_SPEC.sizes[-1], (batch,), device=device)
+    params = detached_params(model)
+    layers = MLP_SPEC.layers(params)
 
-        def limit() -> List[Tensor]:
-            sums, norms = hand_written.mlp_bookkeeping(layers, MLP_SPEC.act, x, y, MAX_NORM)
-            return [*sums, norms]
+    def limit() -> List[Tensor]:
+        sums, norms = hand_written.mlp_bookkeeping(layers, MLP_SPEC.act, x, y, MAX_NORM)
+        return [*sums, norms]
 
-        return _dp_setup(model, x, y, limit if with_limit else None)
-
-    return Case(scenario, size, tier, n_linears, f"DP-SGD clipping, {description}", build, targets)
+    return _dp_setup(model, x, y, limit)
 
 
-def _mlp(batch: int, device: torch.device) -> Tuple[nn.Module, Tensor, Tensor]:
-    return (mlp(MLP_SPEC).to(device), torch.randn(batch, MLP_SPEC.sizes[0], device=device),
-            torch.randint(0, MLP_SPEC.sizes[-1], (batch,), device=device))
+def _cnn(batch: int, device: torch.device) -> CaseSetup:
+    return _dp_setup(small_cnn().to(device), torch.randn(batch, 1, 28, 28, device=device),
+                     torch.randint(0, 10, (batch,), device=device))
 
 
-def _cnn(batch: int, device: torch.device) -> Tuple[nn.Module, Tensor, Tensor]:
-    return (small_cnn().to(device), torch.randn(batch, 1, 28, 28, device=device),
-            torch.randint(0, 10, (batch,), device=device))
-
-
-def _encoder(config: Tuple[int, int, int, int], batch: int, device: torch.device
-             ) -> Tuple[nn.Module, Tensor, Tensor]:
+def _encoder(config: Tuple[int, int, int, int], batch: int, device: torch.device) -> CaseSetup:
     d_model, heads, ff, tokens = config
-    return (Encoder(d_model, heads, ff).to(device), torch.randn(batch, tokens, d_model, device=device),
-            torch.randint(0, 10, (batch,), device=device))
+    model = Encoder(d_model, heads, ff).to(device)
+    return _dp_setup(model, torch.randn(batch, tokens, d_model, device=device),
+                     torch.randint(0, 10, (batch,), device=device))
 
 
 def cases(mode: str) -> List[Case]:
     """DP-SGD cases (MLP, CNN, transformer layer) for a mode."""
     return (
-        [_case("dp_mlp", f"b{b}", t, MLP_SPEC.n_linears,
-               f"MLP {MLP_SPEC.sizes} {MLP_SPEC.act}, cross-entropy, batch {b}",
-               functools.partial(_mlp, b), _targets(b >= 128, vs_stock=b == 128), with_limit=True)
+        [Case("dp_mlp", f"b{b}", t, MLP_SPEC.n_linears,
+              f"DP-SGD clipping, MLP {MLP_SPEC.sizes} {MLP_SPEC.act}, cross-entropy, batch {b}",
+              functools.partial(_mlp, b), _targets(b >= 128, vs_stock=b == 128))
          for b, t, m in MLP_BATCHES if mode in m]
-        + [_case("dp_cnn", f"b{b}", t, 2, f"CNN conv5x16-conv5x32-fc64-fc10 on 28x28, batch {b}",
-                 functools.partial(_cnn, b), _targets(False))
+        + [Case("dp_cnn", f"b{b}", t, 2, f"DP-SGD clipping, CNN conv5x16-conv5x32-fc64-fc10 on 28x28, "
+                f"batch {b}", functools.partial(_cnn, b), _targets(False))
            for b, t, m in CNN_BATCHES if mode in m]
-        + [_case("dp_transformer", f"d{c[0]}t{c[3]}_b{b}", t, 5,
-                 f"TransformerEncoderLayer(d={c[0]}, heads={c[1]}, ff={c[2]}, gelu) over {c[3]} tokens "
-                 f"+ linear head, batch {b}", functools.partial(_encoder, c, b), _targets(True))
+        + [Case("dp_transformer", f"d{c[0]}t{c[3]}_b{b}", t, 5,
+                f"DP-SGD clipping, TransformerEncoderLayer(d={c[0]}, heads={c[1]}, ff={c[2]}, gelu) over "
+                f"{c[3]} tokens + linear head, batch {b}", functools.partial(_encoder, c, b), _targets(True))
            for c, b, t, m in ENCODER_CASES if mode in m])

@@ -43,9 +43,8 @@ def _case(scenario: str, size: str, n_linears: int, description: str,
         def reference() -> List[Tensor]:
             xs64 = [t.detach().cpu().double().requires_grad_() for t in xs]
             out = stock_fn(*xs64)
-            if not backward:
-                return [out.detach()]
-            return [out.detach(), *torch.autograd.grad(out, xs64, grad_out.cpu().double())]
+            grads = torch.autograd.grad(out, xs64, grad_out.cpu().double()) if backward else ()
+            return [out.detach(), *grads]
 
         return CaseSetup([Variant("stock", step(stock_fn), routing=False, user_code=True),
                           Variant("batchrules", step(batchrules_fn), routing=True, user_code=True),

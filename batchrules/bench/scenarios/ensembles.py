@@ -1,5 +1,6 @@
 """Model ensembles via stack_module_state + functional_call + vmap: forward
 (shared or per-model input) and the training step."""
+import functools
 from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Sequence
 
 import torch
@@ -65,10 +66,6 @@ def train_setup(models: Sequence[nn.Module], x: Tensor, y: Tensor,
                      floor=floor)
 
 
-def _layers(params: Dict[str, Tensor], spec: MlpSpec) -> List[Any]:
-    return [tuple(params[k] for k in spec.param_keys(i)) for i in range(spec.n_linears)]
-
-
 def _forward_case(size: EnsembleSize, shared: bool) -> Case:
     spec = size.spec
 
@@ -88,7 +85,7 @@ def _forward_case(size: EnsembleSize, shared: bool) -> Case:
             x64 = x.cpu().double()
             return torch.stack([in_float64(m)(x64 if shared else x64[e]) for e, m in enumerate(models)])
 
-        layers = _layers(params, spec)
+        layers = spec.layers(params)
         return CaseSetup([*stock_and_batchrules(user_code), Variant(
             "limit", lambda: hand_written.ensemble_forward(layers, spec.act, x, shared))],
             reference=reference, floor=vmap_identity(in_dims, (params, buffers, x)))
@@ -105,11 +102,8 @@ def _train_case(size: EnsembleSize) -> Case:
         models = [mlp(spec) for _ in range(size.members)]
         x = torch.randn(size.members, size.batch, spec.sizes[0], device=device)
         y = torch.randn(size.members, size.batch, spec.sizes[-1], device=device)
-        def limit(params: Dict[str, Tensor]) -> Callable[[], Any]:
-            layers = _layers(params, spec)
-            return lambda: hand_written.ensemble_mse_grads(layers, spec.act, x, y)
-
-        return train_setup(models, x, y, limit)
+        return train_setup(models, x, y, lambda params: functools.partial(
+            hand_written.ensemble_mse_grads, spec.layers(params), spec.act, x, y))
 
     return Case("ensemble_train", size.name, size.tier, spec.n_linears,
                 f"vmap(grad(mse)) over {size.members} MLPs {spec.sizes} ({spec.act}), per-model batch "

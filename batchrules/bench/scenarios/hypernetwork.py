@@ -22,12 +22,9 @@ SIZES = (("small", 8, 4, (16, 32, 8), {"smoke", "quick", "full"}),
 
 
 def target(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
-    """The per-sample target network, written for one sample.
-
-    SiLU, not ReLU: with millions of hidden units some pre-activation lands
-    within float32 rounding of ReLU's kink, where float32 and the float64
-    reference disagree on its derivative and the check would fail spuriously.
-    """
+    """The per-sample target network, written for one sample. SiLU, not ReLU:
+    with millions of hidden units some pre-activation lands within float32
+    rounding of ReLU's kink, where float32 and the float64 reference disagree."""
     return F.linear(F.silu(F.linear(x, w1, b1)), w2, b2)
 
 

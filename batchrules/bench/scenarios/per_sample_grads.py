@@ -7,7 +7,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from ..baselines import hand_written
-from ..baselines.opacus_variants import cross_entropy_sum, opacus_variant, with_opacus
+from ..baselines.opacus_variants import opacus_variant, with_opacus
 from ..case import Case, CaseSetup, Variant, stock_and_batchrules, vmap_identity
 from ..models import MlpSpec, cross_entropy, detached_params, in_float64, mlp, small_cnn
 from ..targets import FASTER_THAN_OPACUS, transform_targets
@@ -58,10 +58,9 @@ def _mlp_case(batch: int, tier: str) -> Case:
         y = torch.randint(0, MLP_SPEC.sizes[-1], (batch,), device=device)
 
         def limit(p: Dict[str, Tensor]) -> List[Tensor]:
-            layers = [(p[w], p[b]) for w, b in map(MLP_SPEC.param_keys, range(MLP_SPEC.n_linears))]
-            return hand_written.mlp_per_sample_grads(layers, MLP_SPEC.act, x, y)
+            return hand_written.mlp_per_sample_grads(MLP_SPEC.layers(p), MLP_SPEC.act, x, y)
 
-        return psg_setup(model, x, y, limit, opacus=lambda: opacus_variant(model, x, y, cross_entropy_sum))
+        return psg_setup(model, x, y, limit, opacus=lambda: opacus_variant(model, x, y))
 
     return Case("psg_mlp", f"b{batch}", tier, MLP_SPEC.n_linears,
                 f"per-sample grads, MLP {MLP_SPEC.sizes}, cross-entropy, batch {batch}", build,
@@ -74,7 +73,7 @@ def _cnn_case(batch: int, tier: str) -> Case:
         x = torch.randn(batch, 1, 28, 28, device=device)
         y = torch.randint(0, 10, (batch,), device=device)
         return psg_setup(model, x, y, lambda p: hand_written.cnn_per_sample_grads(p, x, y),
-                         opacus=lambda: opacus_variant(model, x, y, cross_entropy_sum))
+                         opacus=lambda: opacus_variant(model, x, y))
 
     return Case("psg_cnn", f"b{batch}", tier, 2,
                 f"per-sample grads, CNN conv5x16-conv5x32-fc64-fc10 on 28x28, batch {batch}", build,

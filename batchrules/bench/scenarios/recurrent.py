@@ -5,8 +5,6 @@ stock ``vmap(grad)`` runs them through the per-example fallback.
 - rnn_ensemble_fwd / _train: N stacked layers on one shared batch, forward and
   vmap(grad(mse)). stock: a per-member functional_call loop; limit: the
   hand-batched recurrence; loop: one fused ``torch._VF`` call per member.
-- rnn_psg_fwd: vmap over per-sample sequences (stock skipped with its error);
-  limit: the eager call on the whole batch.
 - psg_lstm: per-sample grads of an LSTM classifier; limit: backpropagation
   through time by hand. dp_lstm: its DP step (clipped_grad, skipped with its
   error if it refuses the model; the non-private step; Opacus' DPLSTM).
@@ -63,10 +61,6 @@ class Size(NamedTuple):
     steps: int = 20
     members: int = 8
     classes: int = 10
-
-    @property
-    def name(self) -> str:
-        return f"h{self.hidden}"
 
 
 def failure(fn: Callable[[], object], stock: bool = False) -> Optional[str]:
@@ -145,46 +139,12 @@ def ensemble_case(kind: str, size: Size, train: bool, tier: str) -> Case:
 
     step = "vmap(grad(mse)) over" if train else "forward of"
     return Case(
-        "rnn_ensemble_train" if train else "rnn_ensemble_fwd", f"{kind}_{size.name}", tier, 0,
+        "rnn_ensemble_train" if train else "rnn_ensemble_fwd", f"{kind}_h{size.hidden}", tier, 0,
         f"{step} {size.members} nn.{kind.upper()}({size.in_features}, {size.hidden}), shared input "
         f"[{size.batch}, {size.steps}, {size.in_features}]; stock: per-member functional_call loop "
         "(stock vmap cannot run it)", build,
         [Speedup("RNN ensemble: batchrules >= 0.95x the speed of the faster of loop and limit "
                  "(min(loop, limit) / batchrules >= 0.95)", ("loop", "limit"), "batchrules", 0.95)])
-
-
-def per_sample_forward_case(kind: str, size: Size, tier: str) -> Case:
-    def build(device: torch.device) -> CaseSetup:
-        model = Recurrent(kind, size.in_features, size.hidden).to(device)
-        params = detached_params(model)
-        x = torch.randn(size.batch, size.steps, size.in_features, device=device)
-        per_sample = vmap(lambda p, xi: functional_call(model, p, (xi.unsqueeze(0),))[0], in_dims=(None, 0))
-
-        def user_code() -> Tensor:
-            return per_sample(params, x)
-
-        def folded() -> Tensor:
-            with torch.no_grad():
-                return model(x)
-
-        setup = CaseSetup(
-            variants=[Variant("batchrules", user_code, routing=True, user_code=True),
-                      Variant("limit", folded)],
-            reference=lambda: in_float64(model)(x.cpu().double()),
-            floor=vmap_identity((None, 0), (params, x)))
-        why = failure(user_code, stock=True)
-        if why is None:
-            setup.variants.insert(0, Variant("stock", user_code, routing=False, user_code=True))
-        else:
-            setup.skipped["stock"] = f"stock vmap: {why}"
-        return setup
-
-    return Case(
-        "rnn_psg_fwd", f"{kind}_b{size.batch}", tier, 0,
-        f"vmap over {size.batch} sequences [{size.steps}, {size.in_features}] of one "
-        f"nn.{kind.upper()}({size.in_features}, {size.hidden}); limit: the eager call on the batch", build,
-        [Speedup("RNN per-sample forward: batchrules <= 1.1x the eager call on the folded batch "
-                 "(limit / batchrules >= 0.91)", "limit", "batchrules", 1 / 1.1)])
 
 
 def _classifier(size: Size, device: torch.device) -> Tuple[nn.Module, Tensor, Tensor]:
@@ -257,6 +217,5 @@ def cases(mode: str) -> List[Case]:
     rows += [(FULL, ensemble_case(k, MEDIUM, False, "medium")) for k in RNN]
     rows += [(FULL, ensemble_case(k, SMALL, True, "small")) for k in RNN]
     rows += [(FULL, ensemble_case(k, MEDIUM, True, "medium")) for k in RNN]
-    rows += [(FULL, per_sample_forward_case(k, CLASSIFIER, "medium")) for k in RNN]
     rows += [(QUICK, per_sample_grads_case(CLASSIFIER, "medium")), (FULL, dp_case(CLASSIFIER, "medium"))]
     return [case for modes, case in rows if mode in modes]
