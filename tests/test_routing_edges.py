@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from routing_edges_cases import FAMILIES
+from routing_edges_families import FAMILIES
 from torch import nn
 from torch.func import grad, jacrev, vmap
 
