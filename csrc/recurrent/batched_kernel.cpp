@@ -13,10 +13,6 @@ namespace batchrules {
 
 namespace {
 
-Tensor physical(const OptionalBatched& t) {
-  return std::get<0>(t).value_or(Tensor());
-}
-
 RecurrenceResult rnn_recurrence_batched(const Tensor& input_gates, const Tensor& h0,
                                         const OptTensor& c0, const Tensor& w_hh,
                                         const OptTensor& b_hh, const OptTensor& w_hr, int64_t mode,
@@ -30,11 +26,12 @@ RecurrenceResult rnn_recurrence_batched(const Tensor& input_gates, const Tensor&
                           rnn_mode(mode));
   auto [x, x_bdim] = unwrap_at(input_gates, level);
   auto [h, h_bdim] = unwrap_at(h0, level);
-  const auto c = unwrap_at(c0, level), b = unwrap_at(b_hh, level), r = unwrap_at(w_hr, level);
+  auto [c, c_bdim] = optional_at(c0, level);
+  auto [b, b_bdim] = optional_at(b_hh, level);
+  auto [r, r_bdim] = optional_at(w_hr, level);
   auto [w, w_bdim] = unwrap_at(w_hh, level);
-  auto [out, h_n, c_n, ws] = rnn_recurrence_batch_rule(
-      x, x_bdim, h, h_bdim, physical(c), std::get<1>(c), w, w_bdim, physical(b), std::get<1>(b),
-      physical(r), std::get<1>(r), mode, reverse);
+  auto [out, h_n, c_n, ws] = rnn_recurrence_batch_rule(x, x_bdim, h, h_bdim, c, c_bdim, w, w_bdim,
+                                                       b, b_bdim, r, r_bdim, mode, reverse);
   const auto wrap = [level](const BatchedResult& t) {
     return wrap_at(std::get<0>(t), std::get<1>(t), level);
   };
@@ -54,17 +51,18 @@ RecurrenceGradsResult rnn_recurrence_backward_batched(
   }
   check_recurrence_backward_shapes(grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
                                    workspace, rnn_mode(mode));
-  const auto go = unwrap_at(grad_output, level), ghn = unwrap_at(grad_h_n, level);
-  const auto gcn = unwrap_at(grad_c_n, level), c = unwrap_at(c0, level);
-  const auto r = unwrap_at(w_hr, level);
+  auto [go, go_bdim] = optional_at(grad_output, level);
+  auto [ghn, ghn_bdim] = optional_at(grad_h_n, level);
+  auto [gcn, gcn_bdim] = optional_at(grad_c_n, level);
+  auto [c, c_bdim] = optional_at(c0, level);
+  auto [r, r_bdim] = optional_at(w_hr, level);
   auto [h, h_bdim] = unwrap_at(h0, level);
   auto [w, w_bdim] = unwrap_at(w_hh, level);
   auto [o, o_bdim] = unwrap_at(output, level);
   auto [ws, ws_bdim] = unwrap_at(workspace, level);
-  auto grads = rnn_recurrence_backward_batch_rule(
-      physical(go), std::get<1>(go), physical(ghn), std::get<1>(ghn), physical(gcn),
-      std::get<1>(gcn), h, h_bdim, physical(c), std::get<1>(c), w, w_bdim, physical(r),
-      std::get<1>(r), o, o_bdim, ws, ws_bdim, mode, reverse);
+  auto grads = rnn_recurrence_backward_batch_rule(go, go_bdim, ghn, ghn_bdim, gcn, gcn_bdim, h,
+                                                  h_bdim, c, c_bdim, w, w_bdim, r, r_bdim, o,
+                                                  o_bdim, ws, ws_bdim, mode, reverse);
   const auto wrap = [level](const BatchedResult& t) {
     return wrap_at(std::get<0>(t), std::get<1>(t), level);
   };
