@@ -127,8 +127,8 @@ def top_level_ops(events) -> List[str]:
 
 @pytest.mark.parametrize("act", ACTS, ids=repr)
 def test_vmap_grad_issues_as_many_ops_as_gelu(act: Act, no_vmap_fallback: None) -> None:
-    """Under vmap(grad) stock SiLU issues 12 top-level ops (Mish 16) where GELU
-    issues 5; routed, SiLU and Mish issue 5 like GELU."""
+    """Under vmap(grad) stock SiLU runs 12 top-level ops (Mish 16) where GELU
+    runs 5; routed, SiLU and Mish run 5 like GELU."""
     x = torch.randn(4, 7)
 
     def step(fn: Callable[[Tensor], Tensor]) -> List[str]:
