@@ -76,7 +76,7 @@ _import_errors: Dict[str, Optional[str]] = {}
 
 
 def missing_module(name: str) -> Optional[str]:
-    """Why ``name`` cannot be imported (None when it can); cached per session."""
+    """Why ``name`` cannot be imported (None when it can); cached per process."""
     if name not in _import_errors:
         try:
             importlib.import_module(name)

@@ -69,7 +69,7 @@ def test_ten_thousand_switches_leave_memory_flat(no_vmap_fallback: None) -> None
         object_growth = len(gc.get_objects()) - objects_before
         assert linear_kernels() == stock_kernels  # no registration left behind
     # Leaking one output per cycle would be 15.6 MiB, one gradient per 10 cycles 100 MiB;
-    # allocator fragmentation after a full test session stays a few MiB.
+    # allocator fragmentation after a full test run stays a few MiB.
     assert rss_growth < 8 * 2**20, f"resident memory grew by {rss_growth / 2**20:.1f} MiB"
     assert object_growth < 100, f"{object_growth} more Python objects"
     with batchrules.enabled(True):
