@@ -16,7 +16,7 @@ class DPOptimizer(Optimizer):
     ``step()`` takes the clipped sums the backwards since the last step
     added up (module.py), adds Gaussian noise of std ``noise_multiplier *
     max_grad_norm`` to each, divides by ``expected_batch_size`` (times the
-    number of backwards since the last step) for ``loss_reduction="mean"``,
+    number of backwards since the last ``step()``, skipped or not) for ``loss_reduction="mean"``,
     writes them to ``p.grad`` and steps the wrapped optimizer. After
     ``signal_skip_step()`` the next step only keeps the sums (a logical batch
     in physical pieces: BatchMemoryManager). With ``process_group`` (DDP) the
@@ -121,7 +121,8 @@ class DPOptimizer(Optimizer):
             first.check(self.module)  # before any update
         for p, s in self.module.take_clipped_sums().items():
             self._sums[p] = self._sums[p] + s if p in self._sums else s
-        self._backwards += self.module.take_backward_count()
+        # Opacus' accumulated iterations: the backwards since the last step, skipped or not
+        self._backwards = self.module.take_backward_count()
         if self._skip_queue and self._skip_queue.pop(0):
             return loss
         self._update()
