@@ -3,7 +3,8 @@
 Each function here wraps one internal of torch whose location or behaviour
 changed between releases; callers never reach into those internals directly.
 """
-from typing import Callable, ContextManager, Optional, Sequence, Tuple
+import contextlib
+from typing import Callable, ContextManager, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -71,6 +72,38 @@ def only_vmaps_above(level: int) -> bool:
 
     return all(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters()
                if i.level() > level)
+
+
+@contextlib.contextmanager
+def vmap_level(batch_size: int, randomness: str) -> Iterator[int]:
+    """Enters a vmap level of ``batch_size`` (as ``torch.func.vmap`` does inside),
+    yielding it; for the engine's per-call vmap (Note [A batched forward, one
+    vmap per call] in batchrules/dp/batched_forward.py)."""
+    functorch = torch._C._functorch
+    level = functorch._vmap_increment_nesting(batch_size, randomness)
+    try:
+        yield level
+    finally:
+        functorch._vmap_decrement_nesting()
+
+
+def remove_batch_dim(tensor: Tensor, level: int, batch_size: int) -> Tensor:
+    """The physical ``[B, ...]`` tensor of a tensor batched at ``level``."""
+    return torch._C._functorch._remove_batch_dim(tensor, level, batch_size, 0)
+
+
+@contextlib.contextmanager
+def single_level_functions_allowed() -> Iterator[None]:
+    """Lets an ``autograd.Function`` be applied, through ``_FunctionBase.apply``,
+    to plain tensors while a functorch transform is active (the transform then
+    never sees it): tape.py's anchor."""
+    functorch = torch._C._functorch
+    before = functorch.get_single_level_autograd_function_allowed()
+    functorch.set_single_level_autograd_function_allowed(True)
+    try:
+        yield
+    finally:
+        functorch.set_single_level_autograd_function_allowed(before)
 
 
 def version_counter(tensor: Tensor) -> int:

@@ -219,8 +219,12 @@ def _storage(t: Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def clip(params: List[Param], batch: int, max_norm: float) -> Tuple[List[Tensor], Tensor]:
+def clip(params: List[Param], batch: int, max_norm: float,
+         scale: float = 1.0) -> Tuple[List[Tensor], Tensor]:
     """The clipped sum of every parameter (in order) and the per-sample norms.
+    ``scale``: the recorded gradients are the per-sample losses' divided by
+    it (the engine's mean over the batch, 1/B); norms and sums are then the
+    per-sample losses'.
 
     Recorded tensors are released as soon as every parameter of their use is
     summed, and the sums are formed smallest first, so that the largest
@@ -235,7 +239,11 @@ def clip(params: List[Param], batch: int, max_norm: float) -> Tuple[List[Tensor]
              for b in [_fused_bias(p, kinds)] if b is not None}
     per_sample: Dict[Param, Tensor] = {}
     norms = _norms(params, kinds, fused, per_sample, batch)
+    if scale != 1.0:
+        norms = norms * scale
     coef = (max_norm / (norms + EPS)).clamp(max=1.0)
+    if scale != 1.0:  # sum_i c_i (scale g_i) as sum_i (c_i scale) g_i
+        coef = coef * scale
 
     # An output gradient is read once more, by its weight's clipped sum, which
     # may then scale it in place: unless autograd handed the same storage to

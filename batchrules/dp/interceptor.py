@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .._compat import current_transform_level, only_vmaps_above
+from .batched_forward import per_sample_call
 from .rule import NOT_HANDLED, Intercept
 from .tape import Tape
 
@@ -96,6 +97,13 @@ class Interceptor:
     def handle(self, func: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if not torch.is_grad_enabled() or _is_metadata(func):
             return func(*args, **kwargs)
+        if self.tape.anchored:  # the engine's batched forward
+            if current_transform_level() is not None:  # the model's own transform: its leaves escape
+                return func(*args, **kwargs)
+            return per_sample_call(self.tape, self._at_level, func, args, kwargs)
+        return self._at_level(func, args, kwargs)
+
+    def _at_level(self, func: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         at_our_level = current_transform_level() == self.tape.level
         intercept = self.intercepts.get(func)
         if intercept is not None and at_our_level:

@@ -25,6 +25,8 @@ from .tape import Param, Tape
 # A rule's answer when it does not handle a call: the call then takes the
 # generic path (Note [Per-sample copies] in tape.py).
 NOT_HANDLED = object()
+# A Rule.batch_dims entry: the argument is shared by the samples, whatever its shape.
+NOT_SPLIT = "not split"
 # The dtypes autocast casts (float64 it leaves alone): autocast_matches.
 _AUTOCAST_CASTS = {torch.float32, torch.float16, torch.bfloat16}
 
@@ -38,6 +40,16 @@ class Rule:
     def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """The call's result (batched at the tape's level), or NOT_HANDLED."""
         raise NotImplementedError
+
+    @classmethod
+    def batch_dims(cls, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[Any, Any]]:
+        """In the engine's batched forward, where the call holds the batch
+        (Note [A batched forward, one vmap per call] in batched_forward.py):
+        ``(in_dims, out_dims)``, pytree prefixes of ``(args, kwargs)`` and of
+        the result, an int where that is the batch's dim, None where the
+        default reads it (dim 0 of the tensors that have the batch's size);
+        None: the default everywhere."""
+        return None
 
 
 @dataclass
@@ -174,8 +186,11 @@ def register_clipping(kind: str) -> Callable[[C], C]:
 
 
 Intercept = Callable[[Tape, Tuple[Any, ...], Dict[str, Any]], Any]  # a Rule.intercept
+BatchDims = Callable[[Tuple[Any, ...], Dict[str, Any]], Optional[Tuple[Any, Any]]]  # a Rule.batch_dims
 # Each intercepted torch function's rule: what the Interceptor looks calls up in.
 INTERCEPTS: Dict[Callable, Intercept] = {}
+# The functions whose rule lays the batch elsewhere than dim 0 (Rule.batch_dims).
+BATCH_DIMS: Dict[Callable, BatchDims] = {}
 R = TypeVar("R", bound=Type[Rule])
 
 
@@ -186,6 +201,8 @@ def register(rule: R) -> R:
         if f in INTERCEPTS:
             raise ValueError(f"clipped_grad: two rules intercept {f}")
         INTERCEPTS[f] = rule.intercept
+        if any("batch_dims" in vars(c) for c in rule.__mro__ if c is not Rule):
+            BATCH_DIMS[f] = rule.batch_dims
     return rule
 
 

@@ -1,12 +1,18 @@
 """What clipped_grad records during the forward: the parameters and their uses."""
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from .._compat import add_batch_dim, allow_requires_grad, is_view, version_counter
+from .._compat import (
+    add_batch_dim,
+    allow_requires_grad,
+    is_view,
+    single_level_functions_allowed,
+    version_counter,
+)
 
 if TYPE_CHECKING:
     from .rule import Use
@@ -27,19 +33,49 @@ if TYPE_CHECKING:
 # weight that requires grad. Its node is never executed: its only edge leads
 # to that copy, which the backward does not ask for.
 def tap(out: Tensor) -> GradientEdge:
-    """The edge a rule's physical output is read back through."""
+    """The edge a rule's physical output is read back through (an output
+    computed without grad is anchored first: Note [Anchored outputs])."""
+    if out.grad_fn is None and not out.requires_grad:
+        with single_level_functions_allowed():
+            # Function.apply would route to functorch's custom_function_call under a transform
+            super(torch.autograd.Function, _Anchor).apply(_ANCHOR, [out])
     if is_view(out) or out.grad_fn is None:
         raise AssertionError("clipped_grad: a tapped output must be a fresh tensor with a node")
     return get_gradient_edge(out)
 
 
-def weight_for(weight: Tensor, other_operands_need_grad: bool) -> Tensor:
-    """The detached weight a rule calls its op with (see the Note above)."""
+def weight_for(tape: "Tape", weight: Tensor, other_operands_need_grad: bool) -> Tensor:
+    """The detached weight a rule calls its op with (see the Notes above)."""
     detached = weight.detach()
-    if other_operands_need_grad:
+    if other_operands_need_grad or tape.anchored:
         return detached
     with allow_requires_grad():
         return detached.requires_grad_()
+
+
+# Note [Anchored outputs]
+# Under clipped_grad the backward asks autograd for the tapped edges only, so
+# the node of an output whose operands need no grad (a first layer's, made
+# with a weight that requires grad: Note [Tapping an output that may later
+# change in place]) is never executed. The engine's user calls
+# ``loss.backward()``, which runs every node on a path to a leaf: that node
+# would form the layer's summed weight gradient (an embedding's a dense
+# [V, D] table), thrown away. So in the engine (``Tape.anchored``) the op runs
+# with detached operands and ``tap`` gives its fresh output a node of its own,
+# an autograd.Function whose backward returns nothing: the output gradient
+# reaches the tap, and nothing is computed from it.
+class _Anchor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, box: List[Tensor]) -> Tensor:
+        # In a list, the output is not an input of the Function (not a view of one).
+        return box[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[None, None]:
+        return None, None
+
+
+_ANCHOR = torch.zeros((), requires_grad=True)  # a leaf, so that _Anchor records a node
 
 
 @dataclass(eq=False)
@@ -75,11 +111,13 @@ class Param:
 class Tape:
     """Parameters by identity, the batch size and vmap level, recorded uses."""
 
-    def __init__(self, params: List[Param], batch_size: int, level: int) -> None:
+    def __init__(self, params: List[Param], batch_size: int, level: int,
+                 anchored: bool = False) -> None:
         self.params = params
         self.by_id: Dict[int, Param] = {id(p.leaf): p for p in params}
         self.batch_size = batch_size
-        self.level = level
+        self.level = level  # the engine's: each call's own (batched_forward.py)
+        self.anchored = anchored  # Note [Anchored outputs]
         self.uses: List["Use"] = []
         self.versions: List[Tuple[Tensor, int, "Use", str]] = []
 

@@ -59,7 +59,7 @@ class AddmmUse(LinearUse):
             return NOT_HANDLED
         batch, rows = a.shape[0], a.shape[1]
         flat = a.reshape(batch * rows, a.shape[-1])  # B*T, I
-        w_op = weight_for(w, flat.requires_grad or (bias is None and b.requires_grad))
+        w_op = weight_for(tape, w, flat.requires_grad or (bias is None and b.requires_grad))
         out = torch.addmm(b.detach() if bias is not None else b, flat, w_op)
         use = cls(weight, bias, flat.view(batch, rows, flat.shape[-1]), tap(out))
         tape.record(use, (flat,), "addmm")

@@ -24,13 +24,13 @@ stock autocast gives, with the attention itself rounded once instead of in
 each of its products.
 """
 import inspect
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from ..._compat import batched_level
-from ..rule import NOT_HANDLED, Rule, batched, bind, physical, register
+from ..rule import NOT_HANDLED, NOT_SPLIT, Rule, batched, bind, physical, register
 from ..tape import Tape
 from .linear import ghostable, recorded_linear
 
@@ -74,6 +74,17 @@ class AttentionRule(Rule):
     """Note [Decomposing multi-head attention]: records two linear uses."""
 
     functions = (F.multi_head_attention_forward,)
+
+    @classmethod
+    def batch_dims(cls, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[Any, Any]]:
+        """Sequence-first query, key and value ``[L, N, E]``, the output too; a
+        2-D attn_mask is shared."""
+        names = _MHA_ARGS[0]
+        mask = kwargs.get("attn_mask", args[16] if len(args) > 16 else None)
+        dims = {"query": 1, "key": 1, "value": 1,
+                "attn_mask": NOT_SPLIT if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None}
+        return ((tuple(dims.get(names[i]) for i in range(len(args))),
+                 {k: dims.get(k) for k in kwargs}), (1, 0))
 
     @classmethod
     def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

@@ -194,7 +194,7 @@ class ConvUse(Use):
             return NOT_HANDLED
         batch = a.shape[0]
         folded = a.reshape(-1, *a.shape[-dims - 1:])  # B*N, C, *spatial
-        w_op = weight_for(w, folded.requires_grad
+        w_op = weight_for(tape, w, folded.requires_grad
                           or (b is not None and bias is None and b.requires_grad))
         b_op = b.detach() if bias is not None else b
         pixel = pixel_tap(tuple(folded.shape[2:]), tuple(w.shape[2:]), stride, padding, dilation)

@@ -117,7 +117,7 @@ class EmbeddingUse(Use):
             padding_idx = padding_idx % vocab
         batch = idx.shape[0]
         flat = idx.reshape(batch, math.prod(idx.shape[1:])).long()
-        out = F.embedding(flat.flatten(), weight_for(w, False))  # B*T, D: a fresh tensor
+        out = F.embedding(flat.flatten(), weight_for(tape, w, False))  # B*T, D: a fresh tensor
         use = cls(weight, flat, padding_idx, bool(scale_grad_by_freq), tap(out))
         tape.record(use, (flat,), "embedding")
         return batched(tape, out.view(*idx.shape, w.shape[1]))

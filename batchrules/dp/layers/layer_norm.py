@@ -95,16 +95,16 @@ class LayerNormUse(Use):
         if torch.is_autocast_enabled(a.device.type):  # See the Note above.
             normalized = F.layer_norm(a, shape, None, None, eps)
             if w is None:
-                out = normalized + weight_for(b, needs)
+                out = normalized + weight_for(tape, b, needs)
             elif b is None:
-                out = normalized * weight_for(w, needs)
+                out = normalized * weight_for(tape, w, needs)
             else:
-                out = torch.addcmul(b.detach(), normalized, weight_for(w, needs))
+                out = torch.addcmul(b.detach(), normalized, weight_for(tape, w, needs))
             use = cls(weight, bias, normalized.detach().view(*lead, *shape), tap(out))
             recorded: Tuple[Tensor, ...] = ()
         else:  # Note [LayerNorm's own kernel, x_hat from what its node saves]
-            w_op = None if w is None else weight_for(w, needs)
-            b_op = None if b is None else b.detach() if w is not None else weight_for(b, needs)
+            w_op = None if w is None else weight_for(tape, w, needs)
+            b_op = None if b is None else b.detach() if w is not None else weight_for(tape, b, needs)
             # A fresh output with a node (Note [Tapping an output that may later change in place]).
             out, mean, rstd = torch.native_layer_norm(a, list(shape), w_op, b_op, eps)
             ones = (1,) * len(shape)

@@ -203,7 +203,7 @@ def linear_use(tape: Tape, rows: Tensor, batch: int, w: Tensor, b: Optional[Tens
     (the use still has it as its bias)."""
     weight, bias = tape.param(w), tape.param(b)
     assert weight is not None  # the callers' ghostable
-    w_op = weight_for(w, rows.requires_grad or (b is not None and bias is None and b.requires_grad))
+    w_op = weight_for(tape, w, rows.requires_grad or (b is not None and bias is None and b.requires_grad))
     if b is not None and bias is not None:  # a parameter: detached, or added by the caller
         b = b.detach() if add_bias else None
     out = F.linear(rows, w_op, b)

@@ -129,6 +129,15 @@ class RecurrentLayerRule(Rule):
     mode: ClassVar[int]
 
     @classmethod
+    def batch_dims(cls, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[Any, Any]]:
+        """The input's batch dim (0 with batch_first, else 1), the states' 1."""
+        bound = bind(*_LAYER_ARGS, args, kwargs)
+        if bound is None or kwargs or isinstance(args[3], (list, tuple)):  # packed: refused
+            return None
+        dim = 0 if bound[-1] else 1
+        return ((dim, 1) + (None,) * (len(args) - 2), {}), (dim, 1, 1)
+
+    @classmethod
     def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if len(args) > 3 and isinstance(args[3], (list, tuple)):  # (data, batch_sizes, hx, params)
             if any(tape.param(p) is not None for p in args[3]):

@@ -1,0 +1,159 @@
+"""``PrivateModule``: the user's model, whose backward yields clipped sums.
+
+The forward runs the model on its physical batch with its parameters as
+intercepted leaves (Note [A batched forward, one vmap per call]); the user's
+``loss.backward()`` then clips each sample's gradient and adds the clipped
+sums up (Note [The clipping runs at the end of the user's backward]); the
+``DPOptimizer`` (optimizer.py) takes them at its step. The rules and the
+clipping are clipped_grad's.
+"""
+import functools
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten
+
+from ... import routing
+from ..clipping import clip
+from ..interceptor import Interceptor, intercepted_leaf
+from ..layers import INTERCEPTS
+from ..tape import Param, Tape
+from .recording import Recording
+from .validation import FirstStep
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+class PrivateModule(nn.Module):
+    """Wraps ``module`` for DP-SGD in the user's loop (Opacus' GradSampleModule's place).
+
+    Args:
+        module: the model. Sample i of a batch is row i of dim 0 of every
+            input (batch-first); it must not mix samples (a BatchNorm in
+            training mode is refused here and in the forward; anything else
+            that mixes them is caught by the first-step validation).
+        loss_reduction: ``"mean"`` if the loss is the mean of the per-sample
+            losses over the batch (as ``F.cross_entropy``'s default), ``"sum"``
+            if their sum: the per-sample gradients are then the per-sample
+            losses', as Opacus defines them.
+        validate: compare, at the first step, the per-sample gradient norms
+            of the batched forward with samples run one at a time
+            (validation.py); False skips it.
+
+    Attributes and methods the model has are reachable through the wrapper;
+    ``state_dict`` and ``load_state_dict`` are the model's own.
+    """
+
+    def __init__(self, module: nn.Module, *, loss_reduction: str = "mean",
+                 validate: bool = True) -> None:
+        super().__init__()
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"batchrules.dp: loss_reduction must be 'mean' or 'sum', got "
+                             f"{loss_reduction!r}")
+        refuse_batch_norm(module)
+        self._module = module
+        self.loss_reduction = loss_reduction
+        self.max_grad_norm: Optional[float] = None  # set by the DPOptimizer
+        self._sums: Dict[nn.Parameter, Tensor] = {}
+        self._backwards = 0
+        self.per_sample_norms: Optional[Tensor] = None  # the last backward's, [B]
+        self.first_step: Optional[FirstStep] = FirstStep() if validate else None
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_module":
+                raise
+            return getattr(self._module, name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._module.load_state_dict(*args, **kwargs)
+
+    def trainable_parameters(self) -> List[Tuple[str, nn.Parameter]]:
+        """The parameters that require grad, by name (a tied one once)."""
+        return [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        named = self.trainable_parameters()
+        if not torch.is_grad_enabled() or not named:
+            return self._module(*args, **kwargs)
+        if self.max_grad_norm is None:
+            raise RuntimeError("batchrules.dp: PrivateModule has no DPOptimizer: create one with "
+                               "DPOptimizer(optimizer, module=..., ...) or use "
+                               "PrivacyEngine.make_private")
+        refuse_batch_norm(self._module)
+        batch = batch_size(args, kwargs)
+        params = leaves(named)
+        tape = Tape(params, batch, -1, anchored=True)
+        leaf_of = {n: p.leaf for (n, _), p in zip(named, params)}
+        if batch == 0:  # nothing to split: the sums stay zero
+            return functional_call(self._module, leaf_of, args, kwargs, strict=False)
+        with Interceptor(tape, INTERCEPTS), routing.enabled():
+            out = functional_call(self._module, leaf_of, args, kwargs, strict=False)
+        Recording(tape, params, functools.partial(self._clip, [p for _, p in named]))
+        if self.first_step is not None and not self.first_step.started:
+            self.first_step.watch(args, kwargs, out, batch)
+        return out
+
+    def _clip(self, owners: List[nn.Parameter], recording: Recording) -> None:
+        """Clips one backward's per-sample gradients and adds the sums up."""
+        assert self.max_grad_norm is not None
+        batch = recording.tape.batch_size
+        scale = float(batch) if self.loss_reduction == "mean" else 1.0
+        sums, norms = clip(recording.params, batch, self.max_grad_norm, scale)
+        for p, s in zip(owners, sums):
+            if p in self._sums:
+                self._sums[p] += s
+            else:
+                self._sums[p] = s
+        self.per_sample_norms = norms
+        self._backwards += 1
+
+    def take_clipped_sums(self) -> Dict[nn.Parameter, Tensor]:
+        """The clipped sums the backwards since the last call added up (a
+        parameter no backward reached has none), and forgets them."""
+        sums, self._sums = self._sums, {}
+        return sums
+
+    def take_backward_count(self) -> int:
+        """How many backwards were clipped since the last call."""
+        count, self._backwards = self._backwards, 0
+        return count
+
+
+def leaves(named: List[Tuple[str, nn.Parameter]]) -> List[Param]:
+    """The parameters as the intercepted leaves the forward runs with."""
+    out = []
+    for i, (name, p) in enumerate(named):
+        value = p.detach()
+        out.append(Param(i, functools.partial(str, name), intercepted_leaf(value), value))
+    return out
+
+
+def batch_size(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> int:
+    """Dim 0 of the first tensor among the inputs (the batch's size)."""
+    for leaf in tree_flatten((args, kwargs))[0]:
+        if isinstance(leaf, Tensor) and leaf.dim() > 0:
+            return leaf.shape[0]
+    raise ValueError("batchrules.dp: the model's inputs hold no tensor with a batch dim (dim 0); "
+                     "sample i of a batch must be row i of dim 0 of the inputs")
+
+
+def refuse_batch_norm(module: nn.Module) -> None:
+    """Raises, naming them, for BatchNorm layers in training mode that update
+    running statistics or have trainable affine parameters: their statistics
+    mix the samples of a batch."""
+    names = [name for name, m in module.named_modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+             and (m.track_running_stats or any(p.requires_grad for p in m.parameters()))]
+    if names:
+        raise ValueError(
+            f"batchrules.dp: BatchNorm in training mode ({', '.join(names)}): its batch statistics "
+            "mix the samples of a batch, so per-sample gradients are not defined. Replace it with "
+            "GroupNorm or LayerNorm, or put it in eval mode (frozen statistics)")

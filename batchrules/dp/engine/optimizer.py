@@ -1,0 +1,149 @@
+"""``DPOptimizer``: the user's optimizer, stepping with the noised clipped sums."""
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from ..sharded import all_reduce_flat
+from .module import LOSS_REDUCTIONS, PrivateModule
+from .noise import gaussian_noise
+
+
+class DPOptimizer(Optimizer):
+    """Wraps ``optimizer`` (any torch optimizer) for DP-SGD, Opacus' DPOptimizer's shape.
+
+    ``step()`` takes the clipped sums the backwards since the last step
+    added up (module.py), adds Gaussian noise of std ``noise_multiplier *
+    max_grad_norm`` to each, divides by ``expected_batch_size`` (times the
+    number of backwards since the last step) for ``loss_reduction="mean"``,
+    writes them to ``p.grad`` and steps the wrapped optimizer. After
+    ``signal_skip_step()`` the next step only keeps the sums (a logical batch
+    in physical pieces: BatchMemoryManager). With ``process_group`` (DDP) the
+    sums are summed over its ranks in one all-reduce, the noise drawn once,
+    on its first rank.
+
+    The noise generator's state is not in ``state_dict()`` (the wrapped
+    optimizer's): PrivacyEngine's checkpoints save it.
+    """
+
+    def __init__(self, optimizer: Optimizer, *, module: PrivateModule, noise_multiplier: float,
+                 max_grad_norm: float, expected_batch_size: Optional[int],
+                 loss_reduction: str = "mean", generator: Optional[torch.Generator] = None,
+                 secure_mode: bool = False, process_group: Optional[Any] = None) -> None:
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"batchrules.dp: loss_reduction must be 'mean' or 'sum', got "
+                             f"{loss_reduction!r}")
+        if loss_reduction == "mean" and (expected_batch_size is None or expected_batch_size <= 0):
+            raise ValueError("batchrules.dp: loss_reduction='mean' needs expected_batch_size > 0, "
+                             f"got {expected_batch_size!r}")
+        if not noise_multiplier >= 0:
+            raise ValueError(f"batchrules.dp: noise_multiplier must be >= 0, got {noise_multiplier!r}")
+        if not 0 < max_grad_norm < float("inf"):
+            raise ValueError(f"batchrules.dp: max_grad_norm must be a finite number > 0, got "
+                             f"{max_grad_norm!r}")
+        if module.loss_reduction != loss_reduction:
+            raise ValueError(f"batchrules.dp: the module's loss_reduction {module.loss_reduction!r} "
+                             f"differs from the optimizer's {loss_reduction!r}")
+        owned = {p for _, p in module.trainable_parameters()}
+        stray = [i for g in optimizer.param_groups for i, p in enumerate(g["params"])
+                 if p.requires_grad and p not in owned]
+        if stray:
+            raise ValueError("batchrules.dp: the optimizer holds trainable parameters that are not "
+                             "the module's; they would be updated without privacy")
+        self.original_optimizer = optimizer
+        self.module = module
+        self.noise_multiplier = float(noise_multiplier)
+        self.max_grad_norm = float(max_grad_norm)
+        self.expected_batch_size = expected_batch_size
+        self.loss_reduction = loss_reduction
+        self.generator = generator
+        self.secure_mode = secure_mode
+        self.process_group = process_group
+        self.step_hooks: List[Callable[["DPOptimizer"], None]] = []
+        self._skip_queue: List[bool] = []
+        self._sums: Dict[nn.Parameter, Tensor] = {}
+        self._backwards = 0
+        module.max_grad_norm = self.max_grad_norm
+
+    # The wrapped optimizer's state is this one's (schedulers, checkpoints).
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: List[Dict[str, Any]]) -> None:
+        self.original_optimizer.param_groups = groups
+
+    @property
+    def state(self) -> Any:
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.original_optimizer.state = state
+
+    @property
+    def defaults(self) -> Dict[str, Any]:
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: Dict[str, Any]) -> None:
+        self.original_optimizer.defaults = defaults
+
+    def __repr__(self) -> str:
+        return f"DPOptimizer({self.original_optimizer!r})"
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none)
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """The next ``step()`` only keeps the clipped sums (no noise, no update)."""
+        self._skip_queue.append(do_skip)
+
+    def attach_step_hook(self, fn: Callable[["DPOptimizer"], None]) -> None:
+        """``fn(self)`` after every step that updates (the accountant's)."""
+        self.step_hooks.append(fn)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        first = self.module.first_step
+        if first is not None and first.pending():
+            first.check(self.module)  # before any update
+        for p, s in self.module.take_clipped_sums().items():
+            self._sums[p] = self._sums[p] + s if p in self._sums else s
+        self._backwards += self.module.take_backward_count()
+        if self._skip_queue and self._skip_queue.pop(0):
+            return loss
+        self._update()
+        self.original_optimizer.step()
+        for hook in self.step_hooks:
+            hook(self)
+        return loss
+
+    def _update(self) -> None:
+        """``p.grad``: the clipped sum plus noise, scaled (noise only: no sum)."""
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        sums = [self._sums.get(p, torch.zeros_like(p)) for p in params]
+        first_rank = self.process_group is None or torch.distributed.get_rank(self.process_group) == 0
+        std = self.noise_multiplier * self.max_grad_norm
+        if std > 0 and first_rank:
+            sums = [s + gaussian_noise(s, std, self.generator, self.secure_mode) for s in sums]
+        if self.process_group is not None:
+            sums = all_reduce_flat(sums, self.process_group)
+        denominator = 1.0
+        if self.loss_reduction == "mean":
+            assert self.expected_batch_size is not None
+            denominator = float(self.expected_batch_size * max(self._backwards, 1))
+        for p, s in zip(params, sums):
+            p.grad = (s / denominator).to(p.dtype).view_as(p)
+        self._sums, self._backwards = {}, 0

@@ -1,0 +1,163 @@
+"""The engine's first-step validation: the batched forward against samples run one at a time.
+
+Note [Validating the batched forward]
+A batched forward cannot prove that the model keeps samples apart, nor that
+its reading of shapes (Note [A batched forward, one vmap per call]) is right
+for this model; vmap could. So the first step, before any update, checks it
+on two samples of the first batch (the first and the last): the gradient
+that reached the model's batched outputs in the user's backward is a fixed
+cotangent per sample; the two samples are run as a batch of two through the
+engine (per-sample gradients of each parameter, materialized) and each alone
+through the plain model, and each parameter's per-sample gradient norm must
+agree. Both runs are in eval mode (dropout off: the masks of a batch and of a
+single sample differ) with the random state restored after, so that the
+check changes neither the training nor its random stream. A model whose
+outputs hold no batched tensor that requires grad cannot be checked: a
+warning says so. ``validate=False`` skips the check.
+"""
+import contextlib
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ... import routing
+from ..clipping import per_sample_grad
+from ..interceptor import Interceptor
+from ..layers import INTERCEPTS
+from ..tape import Tape
+from .recording import Recording
+
+_RTOL = {torch.float64: 1e-6, torch.float32: 1e-3}
+
+
+class FirstStep:
+    """What the first forward's validation needs, and its state."""
+
+    def __init__(self) -> None:
+        self.started = self.done = False
+        self.inputs: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None
+        self.batch = 0
+        self.cotangents: Dict[int, Tensor] = {}  # output leaf index -> its gradient
+
+    def watch(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, batch: int) -> None:
+        """Keeps the first forward's inputs and, through hooks, its outputs' gradients."""
+        self.started, self.inputs, self.batch = True, (args, kwargs), batch
+        for i, t in enumerate(tree_flatten(out)[0]):
+            if _batched(t, batch) and t.requires_grad:
+                t.register_hook(self._keeper(i))
+
+    def _keeper(self, i: int) -> Any:
+        def keep(grad: Tensor) -> None:
+            self.cotangents[i] = grad
+        return keep
+
+    def pending(self) -> bool:
+        return self.started and not self.done
+
+    def check(self, module: Any) -> None:
+        """Raises, naming the parameters, where the norms disagree."""
+        self.done = True
+        inputs, cotangents, batch = self.inputs, self.cotangents, self.batch
+        self.inputs, self.cotangents = None, {}
+        if batch < 2:
+            return
+        if not cotangents:
+            warnings.warn("batchrules.dp: the first-step validation could not run: no batched "
+                          "output of the model received a gradient (a loss computed inside the "
+                          "model?); its batched forward is unchecked", stacklevel=3)
+            return
+        assert inputs is not None
+        picked = torch.tensor([0, batch - 1])
+        model: nn.Module = module._module
+        named = module.trainable_parameters()
+        with _quiet(model, [p for _, p in named]):
+            both = _engine_norms(model, named, _rows(inputs, picked, batch), cotangents, picked)
+            alone = [_plain_norms(model, named, _rows(inputs, picked[j:j + 1], batch),
+                                  cotangents, picked[j:j + 1]) for j in range(2)]
+        differ = []
+        for k, (name, p) in enumerate(named):
+            rtol = _RTOL.get(p.dtype, 2e-2)
+            for j in range(2):
+                total = float(sum(n[j] ** 2 for n in both) ** 0.5)
+                e, s = float(both[k][j]), float(alone[j][k])
+                if abs(e - s) > rtol * max(e, s) + rtol * 1e-2 * total:
+                    differ.append(f"{name} (sample {int(picked[j])}: {e:.6g} batched, "
+                                  f"{s:.6g} alone)")
+                    break
+        if differ:
+            raise RuntimeError(
+                "batchrules.dp: the first-step validation found per-sample gradient norms that "
+                "differ between the batched forward and samples run one at a time, for "
+                f"{'; '.join(differ[:3])}{' and others' if len(differ) > 3 else ''}. The model "
+                "mixes samples of a batch (a statistic over dim 0, a BatchNorm), or holds the batch "
+                "elsewhere than dim 0 of its inputs; per-sample clipping would be wrong. No update "
+                "was made")
+
+
+def _batched(t: Any, batch: int) -> bool:
+    return isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == batch
+
+
+def _rows(inputs: Tuple[Tuple[Any, ...], Dict[str, Any]], picked: Tensor, batch: int) -> Any:
+    """The inputs of the picked samples (tensors of the batch indexed on dim 0)."""
+    return tree_map(lambda t: t[picked.to(t.device)] if _batched(t, batch) else t, inputs)
+
+
+@contextlib.contextmanager
+def _quiet(model: nn.Module, params: List[nn.Parameter]) -> Iterator[None]:
+    """Eval mode, grad on, and the random state restored after (see the Note)."""
+    modes = {m: m.training for m in model.modules()}
+    devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            model.eval()
+            yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def _outputs(out: Any, cotangents: Dict[int, Tensor],
+             picked: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
+    leaves = tree_flatten(out)[0]
+    indices = sorted(cotangents)
+    return ([leaves[i] for i in indices],
+            [cotangents[i][picked.to(cotangents[i].device)] for i in indices])
+
+
+def _engine_norms(model: nn.Module, named: List[Tuple[str, nn.Parameter]], inputs: Any,
+                  cotangents: Dict[int, Tensor], picked: Tensor) -> List[Tensor]:
+    """Each parameter's per-sample gradient norms ``[2]`` through the engine."""
+    from .module import leaves  # module.py imports this file
+
+    params = leaves(named)
+    tape = Tape(params, len(picked), -1, anchored=True)
+    with Interceptor(tape, INTERCEPTS), routing.enabled():
+        out = functional_call(model, {n: p.leaf for (n, _), p in zip(named, params)},
+                              inputs[0], inputs[1], strict=False)
+    norms: List[Tensor] = []
+
+    def done(recording: Recording) -> None:
+        for p in recording.params:
+            norms.append(per_sample_grad(p, len(picked)).flatten(1).norm(dim=1))
+
+    Recording(tape, params, done)
+    outs, cots = _outputs(out, cotangents, picked)
+    torch.autograd.backward(outs, cots)
+    if not norms:  # no use reached the outputs
+        return [torch.zeros(len(picked)) for _ in named]
+    return norms
+
+
+def _plain_norms(model: nn.Module, named: List[Tuple[str, nn.Parameter]], inputs: Any,
+                 cotangents: Dict[int, Tensor], picked: Tensor) -> List[float]:
+    """Each parameter's gradient norm for one sample, through the plain model."""
+    leaves = {n: p.detach().requires_grad_() for n, p in named}
+    out = functional_call(model, leaves, inputs[0], inputs[1], strict=False)
+    outs, cots = _outputs(out, cotangents, picked)
+    grads = torch.autograd.grad(outs, list(leaves.values()), cots, allow_unused=True)
+    return [0.0 if g is None else float(g.norm()) for g in grads]
