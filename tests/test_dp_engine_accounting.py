@@ -1,11 +1,16 @@
 """The engine's accounting and sampling: ``DPDataLoader``'s Poisson batches (rate,
-batches per epoch, empty batches, generator determinism, secure sampling)."""
+batches per epoch, empty batches, generator determinism, secure sampling), and
+``PrivacyEngine``'s epsilon against Opacus' accountants for the same (sigma, q,
+steps), ``make_private_with_epsilon`` reaching its target."""
 import os
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from batchrules.dp import BatchMemoryManager, PrivacyEngine
 from batchrules.dp.engine.data_loader import DPDataLoader, PoissonBatchSampler
 
 
@@ -124,3 +129,84 @@ def test_secure_sampling_draws_from_urandom(monkeypatch: pytest.MonkeyPatch) -> 
     torch.manual_seed(1)
     assert [b[0].tolist() for b in loader] == first
     assert calls and all(n == 8 * 64 for n in calls)
+
+
+def mlp_task(n: int = 60, batch_size: int = 10, seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    data = TensorDataset(torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,)))
+    return model, DataLoader(data, batch_size=batch_size)
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader,
+          epochs: int) -> int:
+    steps = 0
+    for _ in range(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            steps += 1
+    return steps
+
+
+@pytest.mark.requires("opacus")
+@pytest.mark.parametrize("mechanism", ["rdp", "prv", "gdp"])
+def test_epsilon_equals_opacus_accountant(mechanism: str) -> None:
+    from opacus.accountants import create_accountant
+    model, loader = mlp_task()
+    engine = PrivacyEngine(accountant=mechanism)
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader, noise_multiplier=1.3, max_grad_norm=1.0)
+    steps = train(model, optimizer, loader, epochs=2)
+    reference = create_accountant(mechanism=mechanism)
+    for _ in range(steps):
+        reference.step(noise_multiplier=1.3, sample_rate=1 / 6)
+    assert engine.accountant.history == [(1.3, 1 / 6, steps)] and steps == 12
+    assert engine.get_epsilon(1e-5) == reference.get_epsilon(delta=1e-5) > 0
+
+
+@pytest.mark.requires("opacus")
+@pytest.mark.parametrize("mechanism", ["rdp", "prv"])
+def test_make_private_with_epsilon_reaches_target(mechanism: str) -> None:
+    """After the planned epochs the accountant's epsilon is the target, within
+    1% and not above it (Opacus' search stops 0.01 below it)."""
+    model, loader = mlp_task()
+    engine = PrivacyEngine(accountant=mechanism)
+    model, optimizer, loader = engine.make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader, target_epsilon=3.0, target_delta=1e-5, epochs=3, max_grad_norm=1.0)
+    assert optimizer.noise_multiplier > 0
+    train(model, optimizer, loader, epochs=3)
+    assert 0.99 * 3.0 <= engine.get_epsilon(1e-5) <= 3.0
+
+
+@pytest.mark.requires("opacus")
+def test_skipped_steps_are_not_counted() -> None:
+    """Only real steps reach the accountant: a logical batch split in pieces
+    is one step."""
+    model, loader = mlp_task()
+    engine = PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0)
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2,
+                            optimizer=optimizer) as physical:
+        train(model, optimizer, physical, epochs=1)
+    assert engine.accountant.history == [(1.0, 1 / 6, len(loader))] and len(loader) == 6
+
+
+@pytest.mark.requires("opacus")
+def test_make_private_refuses_foreign_parameters() -> None:
+    model, loader = mlp_task()
+    other = nn.Linear(2, 2).double()
+    with pytest.raises(ValueError, match="not the module's"):
+        PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
+            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="noise_generator must be None"):
+        PrivacyEngine(secure_mode=True).make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+            noise_generator=torch.Generator())
