@@ -87,7 +87,7 @@ class PrivacyEngine:
             noise_multiplier: sigma; the noise std is ``sigma * max_grad_norm``.
             max_grad_norm: C, the per-sample clipping bound.
             loss_reduction: ``"mean"`` (the loss is averaged over the batch:
-                the update is ``(sum of clipped + noise) / (q * N)``) or
+                the update is ``(sum of clipped + noise) / int(q * N)``) or
                 ``"sum"`` (no division).
             noise_generator: the noise's ``torch.Generator`` (default: a new
                 one on the first trainable parameter's device, seeded from
@@ -101,7 +101,6 @@ class PrivacyEngine:
         process_group = None
         if isinstance(module, DistributedDataParallel):
             process_group, module = module.process_group, module.module
-        _check_optimizer_params(module, optimizer)
         private = PrivateModule(module, loss_reduction=loss_reduction, validate=validate)
         data_loader = self._prepare_data_loader(data_loader, poisson_sampling,
                                                 distributed=process_group is not None)
@@ -217,13 +216,6 @@ class PrivacyEngine:
             self.accountant.step(noise_multiplier=optimizer.noise_multiplier,
                                  sample_rate=sample_rate)
         return step
-
-
-def _check_optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    owned = {id(p) for p in module.parameters()}
-    if any(id(p) not in owned for group in optimizer.param_groups for p in group["params"]):
-        raise ValueError("PrivacyEngine.make_private: the optimizer holds parameters that are "
-                         "not the module's")
 
 
 def _new_generator(module: PrivateModule) -> torch.Generator:
