@@ -133,7 +133,7 @@ class DPOptimizer(Optimizer):
     def _update(self) -> None:
         """``p.grad``: the clipped sum plus noise, scaled (noise only: no sum)."""
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        sums = [self._sums.get(p, torch.zeros_like(p)) for p in params]
+        sums = [self._sums[p] if p in self._sums else torch.zeros_like(p) for p in params]
         first_rank = self.process_group is None or torch.distributed.get_rank(self.process_group) == 0
         std = self.noise_multiplier * self.max_grad_norm
         if std > 0 and first_rank:
@@ -144,6 +144,6 @@ class DPOptimizer(Optimizer):
         if self.loss_reduction == "mean":
             assert self.expected_batch_size is not None
             denominator = float(self.expected_batch_size * max(self._backwards, 1))
-        for p, s in zip(params, sums):
-            p.grad = (s / denominator).to(p.dtype).view_as(p)
+        for p, s in zip(params, sums):  # the sums are this step's own: scaled in place
+            p.grad = (s.div_(denominator) if denominator != 1.0 else s).to(p.dtype).view_as(p)
         self._sums, self._backwards = {}, 0
