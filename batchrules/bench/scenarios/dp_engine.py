@@ -34,6 +34,7 @@ from .dp_third_party import (
     _summed_reference,
     bert_problem,
     gpt2_problem,
+    positions,
 )
 
 VARIANTS = ("engine", "engine_first", "nonprivate", "opacus_hooks", "opacus_ghost")
@@ -125,7 +126,9 @@ def _bert_2d(size: Size, device: torch.device) -> Problem:
 
 
 def _bert_logits_2d(model: nn.Module, ids: Tensor, mask: Tensor) -> Tensor:
-    return model(input_ids=ids, attention_mask=mask).logits
+    # batched position and token type ids: see Note [Position ids for Opacus] in dp_third_party.py
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions(ids),
+                 token_type_ids=torch.zeros(ids.shape, dtype=torch.long, device=ids.device)).logits
 
 
 def _guarded(problem: Callable[[torch.device], Problem]) -> Callable[[torch.device], CaseSetup]:
