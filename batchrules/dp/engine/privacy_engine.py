@@ -72,8 +72,12 @@ class PrivacyEngine:
                      data_loader: DataLoader, noise_multiplier: float, max_grad_norm: float,
                      poisson_sampling: bool = True, loss_reduction: str = "mean",
                      noise_generator: Optional[torch.Generator] = None,
-                     validate: bool = True) -> Tuple[PrivateModule, DPOptimizer, DataLoader]:
-        """``(module, optimizer, data_loader)`` made private (Opacus' semantics).
+                     validate: bool = True, criterion: Optional[nn.Module] = None,
+                     batch_first: bool = True, clipping: str = "flat",
+                     grad_sample_mode: str = "hooks") -> Tuple[Any, ...]:
+        """``(module, optimizer, data_loader)`` made private (Opacus' semantics);
+        ``(module, optimizer, criterion, data_loader)`` with ``grad_sample_mode="ghost"``,
+        as Opacus returns them.
 
         Args:
             module: the model; sample i is row i of dim 0 of every input. A
@@ -94,7 +98,15 @@ class PrivacyEngine:
                 torch's default generator). Refused in secure mode.
             validate: compare the first step's per-sample norms with the
                 samples run one at a time, before any update.
+            criterion, batch_first, clipping, grad_sample_mode: Opacus'
+                arguments, taken so that an Opacus script runs unchanged:
+                every ``grad_sample_mode`` runs this engine (its per-sample
+                norms are exact, as Opacus' ghost clipping's), the criterion is
+                returned as given (any criterion works with the plain
+                ``loss.backward()``), and only ``batch_first=True`` and
+                ``clipping="flat"`` exist here.
         """
+        _check_opacus_options(batch_first, clipping, grad_sample_mode)
         if self.secure_mode and noise_generator is not None:
             raise ValueError("PrivacyEngine: secure mode draws noise from os.urandom; "
                              "noise_generator must be None")
@@ -114,6 +126,8 @@ class PrivacyEngine:
             process_group=process_group)
         dp_optimizer.attach_step_hook(self._accountant_hook(sample_rate))
         self.data_loader = data_loader
+        if grad_sample_mode == "ghost":
+            return private, dp_optimizer, criterion, data_loader
         return private, dp_optimizer, data_loader
 
     def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -121,8 +135,10 @@ class PrivacyEngine:
                                   target_delta: float, epochs: int, max_grad_norm: float,
                                   poisson_sampling: bool = True, loss_reduction: str = "mean",
                                   noise_generator: Optional[torch.Generator] = None,
-                                  validate: bool = True,
-                                  **kwargs: Any) -> Tuple[PrivateModule, DPOptimizer, DataLoader]:
+                                  validate: bool = True, criterion: Optional[nn.Module] = None,
+                                  batch_first: bool = True, clipping: str = "flat",
+                                  grad_sample_mode: str = "hooks",
+                                  **kwargs: Any) -> Tuple[Any, ...]:
         """``make_private`` with the noise multiplier that spends
         ``(target_epsilon, target_delta)`` in ``epochs`` epochs of
         ``len(data_loader)`` steps (Opacus' ``get_noise_multiplier``, with
@@ -139,7 +155,9 @@ class PrivacyEngine:
         return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
                                  noise_multiplier=sigma, max_grad_norm=max_grad_norm,
                                  poisson_sampling=poisson_sampling, loss_reduction=loss_reduction,
-                                 noise_generator=noise_generator, validate=validate)
+                                 noise_generator=noise_generator, validate=validate,
+                                 criterion=criterion, batch_first=batch_first, clipping=clipping,
+                                 grad_sample_mode=grad_sample_mode)
 
     def get_epsilon(self, delta: float) -> float:
         """The epsilon spent so far at ``delta``, by the accountant."""
@@ -216,6 +234,22 @@ class PrivacyEngine:
             self.accountant.step(noise_multiplier=optimizer.noise_multiplier,
                                  sample_rate=sample_rate)
         return step
+
+
+_GRAD_SAMPLE_MODES = ("hooks", "ew", "functorch", "ghost")
+
+
+def _check_opacus_options(batch_first: bool, clipping: str, grad_sample_mode: str) -> None:
+    if not batch_first:
+        raise ValueError("PrivacyEngine: batch_first=False is not supported: sample i of a batch "
+                         "must be row i of dim 0 of the model's inputs (transpose inside the "
+                         "model; nn.LSTM(batch_first=False) inside a model is fine)")
+    if clipping != "flat":
+        raise ValueError(f"PrivacyEngine: clipping={clipping!r} is not supported; only 'flat' "
+                         "(one norm over all parameters)")
+    if grad_sample_mode not in _GRAD_SAMPLE_MODES:
+        raise ValueError(f"PrivacyEngine: unknown grad_sample_mode {grad_sample_mode!r}; Opacus' "
+                         f"are {_GRAD_SAMPLE_MODES}")
 
 
 def _new_generator(module: PrivateModule) -> torch.Generator:
