@@ -16,7 +16,7 @@ class DPOptimizer(Optimizer):
     ``step()`` takes the clipped sums the backwards since the last step
     added up (module.py), adds Gaussian noise of std ``noise_multiplier *
     max_grad_norm`` to each, divides by ``expected_batch_size`` (times the
-    number of backwards since the last step) for ``loss_reduction="mean"``,
+    number of backwards since the last ``step()``, skipped or not) for ``loss_reduction="mean"``,
     writes them to ``p.grad`` and steps the wrapped optimizer. After
     ``signal_skip_step()`` the next step only keeps the sums (a logical batch
     in physical pieces: BatchMemoryManager). With ``process_group`` (DDP) the
@@ -121,7 +121,8 @@ class DPOptimizer(Optimizer):
             first.check(self.module)  # before any update
         for p, s in self.module.take_clipped_sums().items():
             self._sums[p] = self._sums[p] + s if p in self._sums else s
-        self._backwards += self.module.take_backward_count()
+        # Opacus' accumulated iterations: the backwards since the last step, skipped or not
+        self._backwards = self.module.take_backward_count()
         if self._skip_queue and self._skip_queue.pop(0):
             return loss
         self._update()
@@ -133,7 +134,7 @@ class DPOptimizer(Optimizer):
     def _update(self) -> None:
         """``p.grad``: the clipped sum plus noise, scaled (noise only: no sum)."""
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        sums = [self._sums.get(p, torch.zeros_like(p)) for p in params]
+        sums = [self._sums[p] if p in self._sums else torch.zeros_like(p) for p in params]
         first_rank = self.process_group is None or torch.distributed.get_rank(self.process_group) == 0
         std = self.noise_multiplier * self.max_grad_norm
         if std > 0 and first_rank:
@@ -144,6 +145,6 @@ class DPOptimizer(Optimizer):
         if self.loss_reduction == "mean":
             assert self.expected_batch_size is not None
             denominator = float(self.expected_batch_size * max(self._backwards, 1))
-        for p, s in zip(params, sums):
-            p.grad = (s / denominator).to(p.dtype).view_as(p)
+        for p, s in zip(params, sums):  # the sums are this step's own: scaled in place
+            p.grad = (s.div_(denominator) if denominator != 1.0 else s).to(p.dtype).view_as(p)
         self._sums, self._backwards = {}, 0
