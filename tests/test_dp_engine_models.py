@@ -6,7 +6,8 @@ GroupNorm, an LSTM classifier, transformers' BERT and GPT-2 (2-D attention
 masks, right padding) and a peft LoRA (only the adapters move); C is the
 median per-sample norm, so some samples are clipped and some not. Also what
 the engine refuses or catches before any update (BatchNorm in training mode, a
-model that mixes samples), an empty batch, and gradient accumulation."""
+model that mixes samples), an empty batch, gradient accumulation, and a
+logical batch in pieces with skipped steps."""
 import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -254,8 +255,6 @@ def test_gradient_accumulation_equals_one_batch() -> None:
     assert_moved_by(moved, {n: -w / 8 for n, w in want.items()})
 
 
-@pytest.mark.xfail(strict=True, reason="DPOptimizer counts the backwards of skipped steps in its "
-                   "divisor: expected_batch_size * 2 here, where Opacus divides by expected_batch_size")
 def test_skipped_step_pieces_equal_one_batch() -> None:
     """A logical batch in two physical pieces (BatchMemoryManager's loop: a
     step per piece, the first skipped): one batch of both, with
