@@ -76,7 +76,7 @@ MODELS = {"gpt2": (gpt2, 0, token_loss), "bert": (bert, 3, class_loss),
 
 def recording_trainer(tmp_path: Any, model: nn.Module, dataset: TokenDataset, steps: int,
                       physical: int = PHYSICAL, pieces: int = PIECES, seed: int = 42,
-                      **dp: Any) -> Any:
+                      save_steps: int = 0, **dp: Any) -> Any:
     """A DPTrainer (SGD, lr 1, constant) that keeps the physical batches it trains on."""
     import transformers
 
@@ -93,7 +93,8 @@ def recording_trainer(tmp_path: Any, model: nn.Module, dataset: TokenDataset, st
         output_dir=str(tmp_path), per_device_train_batch_size=physical,
         gradient_accumulation_steps=pieces, max_steps=steps, learning_rate=1.0, optim="sgd",
         weight_decay=0.0, lr_scheduler_type="constant", logging_steps=1, report_to=[],
-        use_cpu=True, save_strategy="no", disable_tqdm=True, seed=seed)
+        use_cpu=True, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        disable_tqdm=True, seed=seed)
     trainer = Recording(model=model, args=args, train_dataset=dataset, **dp)
     trainer.pieces = []
     return trainer
@@ -182,6 +183,23 @@ def test_save_model_writes_the_model(tmp_path: Any) -> None:
     trainer.save_model(str(tmp_path / "saved"))
     loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "saved"), dtype=torch.float64)
     for (n, p), q in zip(model.named_parameters(), loaded.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_resume_from_checkpoint_goes_on(tmp_path: Any) -> None:
+    """Resumed after its first step, a run with noise ends as the uninterrupted
+    one: the same parameters and epsilon (the accountant's history and the
+    sampling restored)."""
+    model = gpt2()
+    initial = copy.deepcopy(model)
+    whole = recording_trainer(tmp_path / "whole", model, TokenDataset(), 2, save_steps=1,
+                              max_grad_norm=1.0, noise_multiplier=1.0)
+    whole.train()
+    resumed = recording_trainer(tmp_path / "resumed", initial, TokenDataset(), 2,
+                                max_grad_norm=1.0, noise_multiplier=1.0)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-1"))
+    assert resumed.get_epsilon() == whole.get_epsilon() and len(resumed.pieces) == PIECES
+    for (n, p), q in zip(model.named_parameters(), initial.parameters()):
         assert torch.equal(p, q), n
 
 

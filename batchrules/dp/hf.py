@@ -23,6 +23,7 @@ E over the backwards run: the divisor is E whatever the pieces held. The
 accountant steps once per optimizer step with (noise_multiplier, q).
 """
 import math
+import os
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -33,6 +34,8 @@ from torch.utils.data import DataLoader, Sampler
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .engine import DPOptimizer, PrivateModule
+
+DP_STATE_NAME = "dp_state.pt"  # a checkpoint's accountant history and noise generator state
 
 
 class DPTrainer(transformers.Trainer):
@@ -57,7 +60,9 @@ class DPTrainer(transformers.Trainer):
         validate: the engine's first-step validation (engine/validation.py).
 
     One process on one device; no fp16 loss scaling. The logs get
-    ``epsilon`` (``get_epsilon()``); ``save_model`` saves the model itself.
+    ``epsilon`` (``get_epsilon()``); ``save_model`` saves the model itself;
+    checkpoints hold the accountant's history and the noise generator's state
+    too, so that ``train(resume_from_checkpoint=...)`` goes on with both.
     """
 
     # See Note [Gradient accumulation is the logical batch]
@@ -147,6 +152,22 @@ class DPTrainer(transformers.Trainer):
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         assert isinstance(optimizer, DPOptimizer)
         return optimizer
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        generator = self.noise_generator
+        torch.save({"accountant": self.accountant.state_dict(),
+                    "noise_generator": None if generator is None else generator.get_state()},
+                   os.path.join(output_dir, DP_STATE_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, DP_STATE_NAME)):
+            return
+        state = torch.load(os.path.join(checkpoint, DP_STATE_NAME), weights_only=True)
+        self.accountant.load_state_dict(state["accountant"])
+        if self.noise_generator is not None and state["noise_generator"] is not None:
+            self.noise_generator.set_state(state["noise_generator"])
 
     def _account(self, optimizer: DPOptimizer) -> None:
         self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
