@@ -76,7 +76,7 @@ MODELS = {"gpt2": (gpt2, 0, token_loss), "bert": (bert, 3, class_loss),
 
 def recording_trainer(tmp_path: Any, model: nn.Module, dataset: TokenDataset, steps: int,
                       physical: int = PHYSICAL, pieces: int = PIECES, seed: int = 42,
-                      save_steps: int = 0, **dp: Any) -> Any:
+                      save_steps: int = 0, bf16: bool = False, **dp: Any) -> Any:
     """A DPTrainer (SGD, lr 1, constant) that keeps the physical batches it trains on."""
     import transformers
 
@@ -94,7 +94,7 @@ def recording_trainer(tmp_path: Any, model: nn.Module, dataset: TokenDataset, st
         gradient_accumulation_steps=pieces, max_steps=steps, learning_rate=1.0, optim="sgd",
         weight_decay=0.0, lr_scheduler_type="constant", logging_steps=1, report_to=[],
         use_cpu=True, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        disable_tqdm=True, seed=seed)
+        disable_tqdm=True, seed=seed, bf16=bf16)
     trainer = Recording(model=model, args=args, train_dataset=dataset, **dp)
     trainer.pieces = []
     return trainer
@@ -201,6 +201,20 @@ def test_resume_from_checkpoint_goes_on(tmp_path: Any) -> None:
     assert resumed.get_epsilon() == whole.get_epsilon() and len(resumed.pieces) == PIECES
     for (n, p), q in zip(model.named_parameters(), initial.parameters()):
         assert torch.equal(p, q), n
+
+
+def test_bf16_runs_under_autocast(tmp_path: Any) -> None:
+    model = gpt2().float()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = recording_trainer(tmp_path, model, TokenDataset(), 1, bf16=True, max_grad_norm=1.0,
+                                noise_multiplier=1.0)
+    logits = []
+    model.lm_head.register_forward_hook(lambda m, i, out: logits.append(out.dtype))
+    trainer.train()
+    # the pieces' forwards (the first-step validation's follow, in float32)
+    assert logits[:PIECES] == [torch.bfloat16] * PIECES
+    assert all(p.dtype == torch.float32 and not torch.equal(p, before[n])
+               for n, p in model.named_parameters())
 
 
 def test_refuses_ambiguous_noise(tmp_path: Any) -> None:

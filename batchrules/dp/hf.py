@@ -206,7 +206,8 @@ class DPTrainer(transformers.Trainer):
         model.train()
         inputs = self._prepare_inputs(inputs)
         if _batch_size(inputs) > 0:
-            with self.compute_loss_context_manager():
+            # the model is not accelerate's prepared one: its autocast (bf16) is entered here
+            with self.compute_loss_context_manager(), self.accelerator.autocast():
                 loss = self.compute_loss(model, inputs)
             loss.backward()
             self._pieces_run += 1
