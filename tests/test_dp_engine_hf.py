@@ -108,15 +108,18 @@ def test_trains_and_logs_epsilon(name: str, tmp_path: Any) -> None:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = recording_trainer(tmp_path, model, TokenDataset(classes), 3, max_grad_norm=1.0,
                                 noise_multiplier=1.0)
-    trainer.train()
-    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
-    assert [e["step"] for e in logged] == [1, 2, 3]
+    logged = []
+    for _ in range(2):  # train() again: a new TrainerState, the same DPOptimizer and accountant
+        trainer.train()
+        logged += [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [e["step"] for e in logged] == [1, 2, 3] * 2
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in logged)
     accountant = RDPAccountant()
-    for e in logged:
+    for e in logged:  # one accountant over both runs
         accountant.step(noise_multiplier=1.0, sample_rate=LOGICAL / N)
         assert e["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
-    assert len(trainer.pieces) == 3 * PIECES
+    assert len(trainer.pieces) == 6 * PIECES
+    assert torch.isfinite(torch.tensor(trainer.evaluate(TokenDataset(classes))["eval_loss"]))
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]) != p.requires_grad, n  # the noise moves all, and only, the trainable
 

@@ -75,13 +75,15 @@ class DPTrainer(transformers.Trainer):
                  **kwargs: Any) -> None:
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("DPTrainer: pass exactly one of noise_multiplier and target_epsilon")
-        if kwargs.get("model_init") is not None:
-            raise ValueError("DPTrainer: model_init is not supported; pass the model")
+        for unsupported in ("model_init", "compute_loss_func"):
+            if kwargs.get(unsupported) is not None:
+                raise ValueError(f"DPTrainer: {unsupported} is not supported (the model is wrapped "
+                                 "once; the loss is the mean of per-sample losses)")
         super().__init__(*args, **kwargs)
         if self.args.world_size > 1 or self.args.n_gpu > 1:
             raise ValueError("DPTrainer: one process on one device only")
-        if self.args.fp16:
-            raise ValueError("DPTrainer: fp16 (loss scaling) is not supported")
+        if self.args.fp16 or self.args.label_smoothing_factor:
+            raise ValueError("DPTrainer: fp16 (loss scaling) and label smoothing are not supported")
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise ValueError("DPTrainer: needs a train_dataset with a length (map-style)")
         # the per-sample clipping replaces the Trainer's (the step writes the grads)
@@ -138,7 +140,7 @@ class DPTrainer(transformers.Trainer):
 
     def create_optimizer(self, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
-        if not isinstance(optimizer, DPOptimizer):
+        if not isinstance(getattr(optimizer, "optimizer", optimizer), DPOptimizer):  # a new one
             optimizer = DPOptimizer(
                 optimizer, module=self.private_module, noise_multiplier=self.noise_multiplier,
                 max_grad_norm=self.max_grad_norm, expected_batch_size=self.expected_batch_size,
