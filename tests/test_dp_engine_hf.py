@@ -25,7 +25,7 @@ from test_dp_engine_models import (
 )
 from torch import Tensor, nn
 
-pytestmark = pytest.mark.requires("transformers", "peft")
+pytestmark = pytest.mark.requires("transformers", "peft", "opacus")
 
 N, PHYSICAL, PIECES = 16, 4, 2  # samples, per-device batch, accumulation steps
 LOGICAL = PHYSICAL * PIECES  # E

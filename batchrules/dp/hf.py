@@ -2,8 +2,8 @@
 
 The model trains through a ``PrivateModule`` and the Trainer's optimizer is
 wrapped in a ``DPOptimizer`` (engine/): each physical batch's backward clips
-the per-sample gradients, the optimizer step adds the noise. The loss is the
-Trainer's own: the mean over samples of each sample's loss (a causal LM's
+the per-sample gradients, the optimizer step adds the noise. The loss is
+DPTrainer's own: the mean over samples of each sample's loss (a causal LM's
 shifted token losses, padding and ``-100`` labels ignored, averaged per
 sample; a classifier's cross-entropy), so ``loss_reduction="mean"`` holds.
 
