@@ -20,6 +20,7 @@ from ..clipping import clip
 from ..interceptor import Interceptor, intercepted_leaf
 from ..layers import INTERCEPTS
 from ..tape import Param, Tape
+from .fsdp import fsdp_modules, hooks_set_aside, plain_forwards, reshard, unshard
 from .recording import Recording
 from .validation import FirstStep
 
@@ -60,6 +61,9 @@ class PrivateModule(nn.Module):
         self._backwards = 0
         self.per_sample_norms: Optional[Tensor] = None  # the last backward's, [B]
         self.first_step: Optional[FirstStep] = FirstStep() if validate else None
+        # See Note [The engine on an FSDP2 model] in fsdp.py.
+        self.fsdp_modules = fsdp_modules(module)
+        self._unsharded = False
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -80,8 +84,7 @@ class PrivateModule(nn.Module):
         return [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        named = self.trainable_parameters()
-        if not torch.is_grad_enabled() or not named:
+        if not torch.is_grad_enabled() or not self.trainable_parameters():
             return self._module(*args, **kwargs)
         if self.max_grad_norm is None:
             raise RuntimeError("batchrules.dp: PrivateModule has no DPOptimizer: create one with "
@@ -89,17 +92,35 @@ class PrivateModule(nn.Module):
                                "PrivacyEngine.make_private")
         refuse_batch_norm(self._module)
         batch = batch_size(args, kwargs)
+        owners = [p for _, p in self.trainable_parameters()]  # FSDP's sharded ones: the optimizer's
+        if self.fsdp_modules and not self._unsharded:
+            unshard(self.fsdp_modules)
+            self._unsharded = True
+        named = self.trainable_parameters()
         params = leaves(named)
         tape = Tape(params, batch, -1, anchored=True)
         leaf_of = {n: p.leaf for (n, _), p in zip(named, params)}
-        if batch == 0:  # nothing to split: the sums stay zero
-            return functional_call(self._module, leaf_of, args, kwargs, strict=False)
-        with Interceptor(tape, INTERCEPTS), routing.enabled():
-            out = functional_call(self._module, leaf_of, args, kwargs, strict=False)
-        Recording(tape, params, functools.partial(self._clip, [p for _, p in named]))
+        with hooks_set_aside(self.fsdp_modules):
+            if batch == 0:  # nothing to split: the sums stay zero
+                return functional_call(self._module, leaf_of, args, kwargs, strict=False)
+            with Interceptor(tape, INTERCEPTS), routing.enabled():
+                out = functional_call(self._module, leaf_of, args, kwargs, strict=False)
+        Recording(tape, params, functools.partial(self._clip, owners))
         if self.first_step is not None and not self.first_step.started:
             self.first_step.watch(args, kwargs, out, batch)
         return out
+
+    def plain_forwards(self) -> Any:
+        """A context for forwards and backwards of the model outside the
+        engine (the first-step validation's): FSDP's modules unsharded."""
+        self.reshard()
+        return plain_forwards(self.fsdp_modules)
+
+    def reshard(self) -> None:
+        """Frees FSDP's full parameters once no backward needs them."""
+        if self._unsharded:
+            reshard(self.fsdp_modules)
+            self._unsharded = False
 
     def _clip(self, owners: List[nn.Parameter], recording: Recording) -> None:
         """Clips one backward's per-sample gradients and adds the sums up."""
@@ -114,10 +135,12 @@ class PrivateModule(nn.Module):
                 self._sums[p] = s
         self.per_sample_norms = norms
         self._backwards += 1
+        self.reshard()
 
     def take_clipped_sums(self) -> Dict[nn.Parameter, Tensor]:
         """The clipped sums the backwards since the last call added up (a
         parameter no backward reached has none), and forgets them."""
+        self.reshard()  # a forward without a backward (an empty batch's) left them full
         sums, self._sums = self._sums, {}
         return sums
 

@@ -5,7 +5,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..sharded import all_reduce_flat
+from ..sharded import all_reduce_flat, reduce_scatter_flat
 from .module import LOSS_REDUCTIONS, PrivateModule
 from .noise import gaussian_noise
 
@@ -21,7 +21,8 @@ class DPOptimizer(Optimizer):
     ``signal_skip_step()`` the next step only keeps the sums (a logical batch
     in physical pieces: BatchMemoryManager). With ``process_group`` (DDP) the
     sums are summed over its ranks in one all-reduce, the noise drawn once,
-    on its first rank.
+    on its first rank; on an FSDP2 model, reduce-scattered onto the shards
+    (Note [The engine on an FSDP2 model] in fsdp.py).
 
     The noise generator's state is not in ``state_dict()`` (the wrapped
     optimizer's): PrivacyEngine's checkpoints save it.
@@ -134,17 +135,33 @@ class DPOptimizer(Optimizer):
     def _update(self) -> None:
         """``p.grad``: the clipped sum plus noise, scaled (noise only: no sum)."""
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        sums = [self._sums[p] if p in self._sums else torch.zeros_like(p) for p in params]
-        first_rank = self.process_group is None or torch.distributed.get_rank(self.process_group) == 0
+        sharded = bool(self.module.fsdp_modules)  # Note [The engine on an FSDP2 model] in fsdp.py
+        sums = [self._sums[p] if p in self._sums else _zeros(p, sharded) for p in params]
+        group = params[0].device_mesh.get_group() if sharded and params else self.process_group
+        first_rank = group is None or torch.distributed.get_rank(group) == 0
         std = self.noise_multiplier * self.max_grad_norm
         if std > 0 and first_rank:
             sums = [s + gaussian_noise(s, std, self.generator, self.secure_mode) for s in sums]
-        if self.process_group is not None:
+        if sharded:
+            names = {p: n for n, p in self.module.trainable_parameters()}
+            shards = reduce_scatter_flat({names[p]: s for p, s in zip(params, sums)},
+                                         {names[p]: p for p in params})
+            sums = [shards[names[p]] for p in params]
+        elif self.process_group is not None:
             sums = all_reduce_flat(sums, self.process_group)
         denominator = 1.0
         if self.loss_reduction == "mean":
             assert self.expected_batch_size is not None
             denominator = float(self.expected_batch_size * max(self._backwards, 1))
         for p, s in zip(params, sums):  # the sums are this step's own: scaled in place
-            p.grad = (s.div_(denominator) if denominator != 1.0 else s).to(p.dtype).view_as(p)
+            s = s.div_(denominator) if denominator != 1.0 else s
+            p.grad = s if sharded else s.to(p.dtype).view_as(p)
         self._sums, self._backwards = {}, 0
+
+
+def _zeros(p: Tensor, sharded: bool) -> Tensor:
+    """A zero clipped sum of ``p``: full-size for an FSDP shard (a DTensor)."""
+    if not sharded:
+        return torch.zeros_like(p)
+    local = p.to_local()  # type: ignore[attr-defined]
+    return torch.zeros(p.shape, dtype=local.dtype, device=local.device)

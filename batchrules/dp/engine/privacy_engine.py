@@ -82,7 +82,10 @@ class PrivacyEngine:
         Args:
             module: the model; sample i is row i of dim 0 of every input. A
                 ``DistributedDataParallel`` is unwrapped and its process
-                group reduces the clipped sums.
+                group reduces the clipped sums; a model sharded by FSDP2's
+                ``fully_shard`` is reduce-scattered onto (Note [The engine on
+                an FSDP2 model] in fsdp.py). Either way each rank samples its
+                share of the data.
             optimizer: any torch optimizer over (a subset of) the model's
                 parameters; frozen parameters stay out of the step.
             data_loader: replaced by a ``DPDataLoader`` with q = 1 /
@@ -114,8 +117,8 @@ class PrivacyEngine:
         if isinstance(module, DistributedDataParallel):
             process_group, module = module.process_group, module.module
         private = PrivateModule(module, loss_reduction=loss_reduction, validate=validate)
-        data_loader = self._prepare_data_loader(data_loader, poisson_sampling,
-                                                distributed=process_group is not None)
+        distributed = process_group is not None or bool(private.fsdp_modules)
+        data_loader = self._prepare_data_loader(data_loader, poisson_sampling, distributed=distributed)
         sample_rate = 1 / len(data_loader)
         expected_batch_size = int(len(data_loader.dataset) * sample_rate)  # type: ignore[arg-type]
         generator = None if self.secure_mode else noise_generator or _new_generator(private)

@@ -73,11 +73,12 @@ class FirstStep:
         assert inputs is not None
         picked = torch.tensor([0, batch - 1])
         model: nn.Module = module._module
-        named = module.trainable_parameters()
-        with _quiet(model, [p for _, p in named]):
+        with module.plain_forwards(), _quiet(model, [p for _, p in module.trainable_parameters()]):
+            named = module.trainable_parameters()  # FSDP's full ones in the context
             both = _engine_norms(model, named, _rows(inputs, picked, batch), cotangents, picked)
             alone = [_plain_norms(model, named, _rows(inputs, picked[j:j + 1], batch),
                                   cotangents, picked[j:j + 1]) for j in range(2)]
+        named = module.trainable_parameters()
         differ = []
         for k, (name, p) in enumerate(named):
             rtol = _RTOL.get(p.dtype, 2e-2)
