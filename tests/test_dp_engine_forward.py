@@ -169,3 +169,20 @@ def test_a_second_backward_through_one_forward_is_refused():
 def test_no_optimizer_attached():
     with pytest.raises(RuntimeError, match="has no DPOptimizer"):
         PrivateModule(nn.Linear(4, 3))(torch.randn(2, 4))
+
+
+def test_an_empty_batch_counts_as_a_backward():
+    """As Opacus counts it: an empty batch and a full one accumulated divide the
+    mean's sum by twice the expected batch size."""
+    model = nn.Linear(3, 2).double()
+    private = PrivateModule(model, validate=False)
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), module=private,
+                            noise_multiplier=0.0, max_grad_norm=1e6, expected_batch_size=4)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    before = model.weight.detach().clone()
+    private(x[:0]).sum(1).mean().backward()
+    private(x).sum(1).mean().backward()
+    optimizer.step()
+    # each sample's gradient of its output's sum is ones(2) x x_i
+    expected = torch.ones(2, 1, dtype=torch.float64) * x.sum(0) / 8
+    torch.testing.assert_close(before - model.weight.detach(), expected, rtol=0, atol=1e-12)

@@ -101,7 +101,8 @@ class PrivateModule(nn.Module):
         tape = Tape(params, batch, -1, anchored=True)
         leaf_of = {n: p.leaf for (n, _), p in zip(named, params)}
         with hooks_set_aside(self.fsdp_modules):
-            if batch == 0:  # nothing to split: the sums stay zero
+            if batch == 0:  # nothing to clip; counted as a backward, as Opacus counts it
+                self._backwards += 1
                 return functional_call(self._module, leaf_of, args, kwargs, strict=False)
             with Interceptor(tape, INTERCEPTS), routing.enabled():
                 out = functional_call(self._module, leaf_of, args, kwargs, strict=False)
