@@ -196,7 +196,8 @@ def test_dp_rows_match_their_references_and_evaluate_their_targets(tmp_path: Pat
     reference (the Opacus ones where Opacus is installed, else skipped), peak
     memory is recorded, the DP targets are evaluated."""
     out = tmp_path / "dp.json"
-    proc = run_cli("--smoke", "--threads", "1", "--no-compiled", "--only", "dp_", "--json", str(out))
+    proc = run_cli("--smoke", "--threads", "1", "--no-compiled", "--only", "dp_mlp", "--only", "dp_cnn",
+                   "--only", "dp_transformer", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     record = json.loads(out.read_text())
     assert [f"{c['scenario']}/{c['size']}" for c in record["cases"]] == list(DP_SMOKE)
@@ -215,6 +216,25 @@ def test_dp_rows_match_their_references_and_evaluate_their_targets(tmp_path: Pat
     assert all(any("peak memory" in t for t in ts) for ts in by_case.values())
     # the step-time target against the non-private step: transformer rows and MLP batch >= 128
     assert [c for c, ts in by_case.items() if any("non-private step (" in t for t in ts)] == [DP_SMOKE[2]]
+
+
+def test_dp_engine_row_matches_its_reference_and_evaluates_its_targets(tmp_path: Path) -> None:
+    """The DP engine's row: the user's loop with the engine, its first step,
+    the loop without DP and with Opacus' modules, each against its reference."""
+    out = tmp_path / "engine.json"
+    proc = run_cli("--smoke", "--threads", "1", "--only", "dp_engine", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads(out.read_text())
+    assert [f"{c['scenario']}/{c['size']}" for c in record["cases"]] == ["dp_engine_mlp/b16"]
+    missing = opacus_missing_reason()
+    variants = record["cases"][0]["variants"]
+    assert variants.keys() == {"engine", "engine_first", "nonprivate", *OPACUS_DP}
+    for name, v in variants.items():
+        assert v["error"] is None and v["skipped"] == (missing if name in OPACUS_DP else None), name
+        if v["skipped"] is None:
+            assert v["correct"] and v["peak_extra_bytes"] > 0, name
+    targets = [t["target"] for t in record["targets"]]
+    assert any("peak memory" in t for t in targets) and any("first step" in t for t in targets)
 
 
 @pytest.mark.slow  # spawns 2 processes that import torch and run DDP and FSDP2
