@@ -5,7 +5,8 @@
 // on two operands at most, so each gets its own case analysis (shapes
 // physical, B the vmap size, M the product of the logical leading dims):
 //  - grad_input: W shared -> g's rows, batch included, fold into one mm;
-//    W batched -> one bmm [B, M, O] x [B, O, I].
+//    W batched -> one bmm [B, M, O] x [B, O, I] (a broadcast multiply when
+//    O == 1, where a K=1 bmm is several times slower).
 //  - grad_weight: one bmm [B, O, M] x [B, M, I] that contracts every leading
 //    dim, sequence dims included (per-sample gradients when x and g are
 //    batched, or a shared g or x expanded); a shared x with g's batch dim
@@ -51,8 +52,15 @@ BatchedResult grad_input_rule(const Tensor& g, std::optional<int64_t> g_bdim, co
   c10::SymDimVector out_shape = s.lead;
   out_shape.insert(out_shape.begin(), batch);
   out_shape.push_back(s.in_features);
+  const Tensor g3 = batch_first_3d(g, g_bdim, batch, s.rows);
+  if (s.out_features == 1) {
+    // One output feature (a critic's or regressor's head): a batch of outer
+    // products, one broadcast multiply, as in grad_weight_rule's per-sample case.
+    // B,M,1 * B,1,I -> B,M,I
+    return {(g3 * wf.conj()).contiguous().view_symint(out_shape), 0};
+  }
   // B,M,O x B,O,I -> B,M,I
-  return {at::bmm(batch_first_3d(g, g_bdim, batch, s.rows), wf.conj()).view_symint(out_shape), 0};
+  return {at::bmm(g3, wf.conj()).view_symint(out_shape), 0};
 }
 
 BatchedResult grad_weight_rule(const Tensor& g, std::optional<int64_t> g_bdim, const Tensor& x,
