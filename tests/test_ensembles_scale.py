@@ -4,7 +4,7 @@ one bmm against the expanded input or as one mm with the members in its rows
 (more members than rows, an expanded or member-inner grad_output, enclosing
 vmap levels), grad_input of a one-feature head as a broadcast multiply. Also
 under chunked vmap (ragged last chunk), nested vmap, members stacked on any
-axis, and every randomness mode."""
+axis, and every randomness mode. The bench's rows at these sizes, built tiny."""
 from typing import Callable, Dict, List, Optional, Sequence
 
 import pytest
@@ -14,6 +14,10 @@ from torch import Tensor
 from torch.func import grad, vmap
 
 import batchrules
+from batchrules.bench.case import MODES, Case
+from batchrules.bench.runner import run_case
+from batchrules.bench.scenarios import ensembles_scale as es
+from batchrules.bench.timing import TimingPlan
 
 pytestmark = pytest.mark.usefixtures("no_vmap_fallback")
 
@@ -162,3 +166,29 @@ def test_routing_never_changes_values_in_any_randomness_mode(randomness: str) ->
     assert_close(results[1], results[0])
     if randomness == "error":
         assert_close(results[1], loop_grads(p, x, y, "relu", shared=True))
+
+
+def _tiny_bench_rows() -> List[Case]:
+    rows = [es.ScaleRow(3, 8, 16, act, shared, train, frozenset())
+            for act in ACTS for shared in (True, False) for train in (True, False)]
+    return [*((es.train_case if r.train else es.forward_case)(r) for r in rows),
+            es.critics_case(es.CriticSize(critics=3, batch=8, hidden=16, obs=5, action=2))]
+
+
+@pytest.mark.parametrize("case", _tiny_bench_rows(), ids=lambda c: c.name)
+def test_bench_rows_at_training_sizes_built_tiny(case: Case) -> None:
+    """Each variant of the bench's ensemble rows (member loop and chunked vmap
+    included) matches its float64 reference; timings are not asserted."""
+    plan = TimingPlan(block_s=0.001, budget_s=0.01, min_repeats=1, max_repeats=1, warmup_calls=0)
+    result = run_case(case, torch.device("cpu"), plan)
+    assert {"stock", "batchrules", "limit", "loop"} <= result.variants.keys()
+    for name, v in result.variants.items():
+        assert v.error is None and v.check is not None and v.check.ok, (name, v.error, v.check)
+
+
+def test_bench_rows_per_mode() -> None:
+    """The rows at training sizes stay out of the smoke and headline runs."""
+    names = {mode: [c.name for c in es.cases(mode)] for mode in MODES}
+    assert names["smoke"] == names["headline"] == []
+    assert len(names["quick"]) == 3 and set(names["quick"]) < set(names["full"])
+    assert "critic_ensemble/redq_10x256" in names["quick"]
