@@ -96,9 +96,9 @@ BACKWARD_CASES = {
                           ["copy_", "mm", "mul"]),
     "ensemble": ((0, 0, 0, None), (r(B, N, IN), r(B, N, OUT), r(B, OUT, IN)),
                  ["bmm", "bmm", "sum"]),
-    # Shared input: grad_weight one mm with the batch in its rows (one copy of g).
+    # Shared input: grad_weight one bmm against the expanded input (no copy of g).
     "ensemble_shared_input": ((None, 0, 0, None), (r(N, IN), r(B, N, OUT), r(B, OUT, IN)),
-                              ["bmm", "copy_", "mm", "sum"]),
+                              ["bmm", "bmm", "sum"]),
     # As in jacrev: only grad_output batched. Its batch dim next to the features
     # joins grad_weight's GEMM rows as it is; grad_input moves it to the front
     # (one copy) to come out contiguous per example.

@@ -34,6 +34,18 @@ def mlp(spec: MlpSpec) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+class Critic(nn.Module):
+    """A SAC/REDQ-style Q network (TorchRL's ``ValueOperator`` over an MLP):
+    ``Q(obs, action) = mlp(cat(obs, action))`` with two ReLU hidden layers."""
+
+    def __init__(self, obs: int, action: int, hidden: int) -> None:
+        super().__init__()
+        self.q = mlp(MlpSpec((obs + action, hidden, hidden, 1)))
+
+    def forward(self, obs: Tensor, action: Tensor) -> Tensor:
+        return self.q(torch.cat([obs, action], -1))
+
+
 def small_cnn() -> nn.Sequential:
     """MNIST-sized CNN: two 5x5 convs with pooling, then two linears (28x28 -> 10)."""
     return nn.Sequential(

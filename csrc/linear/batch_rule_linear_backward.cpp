@@ -5,12 +5,17 @@
 // on two operands at most, so each gets its own case analysis (shapes
 // physical, B the vmap size, M the product of the logical leading dims):
 //  - grad_input: W shared -> g's rows, batch included, fold into one mm;
-//    W batched -> one bmm [B, M, O] x [B, O, I].
+//    W batched -> one bmm [B, M, O] x [B, O, I] (a broadcast multiply when
+//    O == 1, where a K=1 bmm is several times slower).
 //  - grad_weight: one bmm [B, O, M] x [B, M, I] that contracts every leading
 //    dim, sequence dims included (per-sample gradients when x and g are
-//    batched, or a shared g expanded); a shared x -> one mm [B*O, M] x [M, I]
-//    (g's batch joins the rows; one copy of g unless its batch dim sits next
-//    to the out features).
+//    batched, or a shared g or x expanded); a shared x with g's batch dim
+//    next to the out features -> one mm [B*O, M] x [M, I] (g's batch joins
+//    the rows as a view). A batch-first contiguous g would be copied by that
+//    fold: with no more batch entries than rows (ensembles, not jacrev's
+//    basis of many small GEMMs) the bmm against the expanded x copies
+//    nothing, except under an enclosing vmap level, where functorch's bmm
+//    rule would materialize the expanded x. Any other g: one mm.
 //  - grad_bias: one reduction over the leading dims.
 // A shared operand of a bmm is expanded (stride 0), not copied. An output
 // none of whose operands is batched is computed once, unbatched. Results are
@@ -47,8 +52,15 @@ BatchedResult grad_input_rule(const Tensor& g, std::optional<int64_t> g_bdim, co
   c10::SymDimVector out_shape = s.lead;
   out_shape.insert(out_shape.begin(), batch);
   out_shape.push_back(s.in_features);
+  const Tensor g3 = batch_first_3d(g, g_bdim, batch, s.rows);
+  if (s.out_features == 1) {
+    // One output feature (a critic's or regressor's head): a batch of outer
+    // products, one broadcast multiply, as in grad_weight_rule's per-sample case.
+    // B,M,1 * B,1,I -> B,M,I
+    return {(g3 * wf.conj()).contiguous().view_symint(out_shape), 0};
+  }
   // B,M,O x B,O,I -> B,M,I
-  return {at::bmm(batch_first_3d(g, g_bdim, batch, s.rows), wf.conj()).view_symint(out_shape), 0};
+  return {at::bmm(g3, wf.conj()).view_symint(out_shape), 0};
 }
 
 BatchedResult grad_weight_rule(const Tensor& g, std::optional<int64_t> g_bdim, const Tensor& x,
@@ -59,13 +71,16 @@ BatchedResult grad_weight_rule(const Tensor& g, std::optional<int64_t> g_bdim, c
   }
   if (!x_bdim.has_value() && s.rows != 1) {
     // Only g batched (jacrev's cotangent basis, an ensemble on shared data):
-    // the batch joins the GEMM's rows.
-    // B*O,M x M,I -> B*O,I  viewed [B, O, I]
+    // the batch joins the GEMM's rows where that needs no copy of g.
     const Tensor cols = g.movedim(*g_bdim, -2);  // [*lead, B, O]
     const c10::SymInt batch = cols.sym_size(-2);
-    const Tensor out = at::mm(cols.reshape_symint({s.rows, batch * s.out_features}).t(),
-                              fold_leading_dims(x).conj());
-    return {out.view_symint({batch, s.out_features, s.in_features}), 0};
+    if (cols.is_contiguous() || batch > s.rows || !move_bdim_to_front(g, g_bdim).is_contiguous() ||
+        batched_at_outer_level(g) || batched_at_outer_level(x)) {
+      // B*O,M x M,I -> B*O,I  viewed [B, O, I]
+      const Tensor out = at::mm(cols.reshape_symint({s.rows, batch * s.out_features}).t(),
+                                fold_leading_dims(x).conj());
+      return {out.view_symint({batch, s.out_features, s.in_features}), 0};
+    }
   }
   const c10::SymInt batch = g_bdim.has_value() ? g.sym_size(*g_bdim) : x.sym_size(*x_bdim);
   const Tensor gt = batch_first_3d(g, g_bdim, batch, s.rows).transpose(1, 2);  // [B, O, M]

@@ -1,5 +1,6 @@
 """Model ensembles via stack_module_state + functional_call + vmap: forward
-(shared or per-model input) and the training step."""
+(shared or per-model input) and the training step; the rows at training sizes
+are in ``ensembles_scale``."""
 import functools
 from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Sequence
 
@@ -11,8 +12,9 @@ from ..baselines import hand_written
 from ..case import Case, CaseSetup, Variant, stock_and_batchrules, vmap_identity
 from ..models import MlpSpec, in_float64, mlp, mse, stacked_ensemble
 from ..targets import transform_targets
+from . import ensembles_scale
 
-NOT_SMOKE = frozenset({"quick", "full"})
+NOT_SMOKE = ensembles_scale.NOT_SMOKE
 
 
 class EnsembleSize(NamedTuple):
@@ -111,9 +113,10 @@ def _train_case(size: EnsembleSize) -> Case:
 
 
 def cases(mode: str) -> List[Case]:
-    """Ensemble forward (shared / per-model input) and training-step cases for a mode."""
+    """Ensemble forward (shared / per-model input) and training-step cases for a
+    mode, then the rows at training sizes (--quick and --full)."""
     if mode == "headline":
         return [_train_case(MBPO)]
     chosen = [s for s in SIZES if mode in s.modes]
     return ([_forward_case(s, True) for s in chosen] + [_forward_case(s, False) for s in chosen]
-            + [_train_case(s) for s in chosen])
+            + [_train_case(s) for s in chosen] + ensembles_scale.cases(mode))
