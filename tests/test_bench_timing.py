@@ -163,11 +163,12 @@ def test_every_case_declares_targets(mode: str) -> None:
 
 def test_headline_covers_every_workload_once() -> None:
     """Ensembles, per-sample gradients (with Opacus), a hypernetwork, the DP
-    step, the training-step ops (linear, SiLU/Mish, losses, attention)."""
+    step and the DP engine's loop, the training-step ops (linear, SiLU/Mish,
+    losses, attention)."""
     assert [c.name for c in all_cases("headline")] == [
         "ensemble_train/mbpo", "psg_mlp/b32", "hyper_fwd_bwd/medium", "eager_linear/medium",
         "psg_transformer/b8", "loss_grad/cross_entropy/b8", "loss_grad/mse/b8", "dp_mlp/b128",
-        "eager_silu/medium", "eager_mish/medium"]
+        "dp_engine_mlp/b128", "eager_silu/medium", "eager_mish/medium"]
 
 
 def test_kernel_counter_on_known_ops() -> None:
