@@ -53,7 +53,8 @@ class PrivateModule(nn.Module):
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"batchrules.dp: loss_reduction must be 'mean' or 'sum', got "
                              f"{loss_reduction!r}")
-        refuse_batch_norm(module)
+        self._batch_norms = batch_norms(module)  # checked at each forward: .train() may change
+        refuse_batch_norm(self._batch_norms)
         self._module = module
         self.loss_reduction = loss_reduction
         self.max_grad_norm: Optional[float] = None  # set by the DPOptimizer
@@ -90,7 +91,7 @@ class PrivateModule(nn.Module):
             raise RuntimeError("batchrules.dp: PrivateModule has no DPOptimizer: create one with "
                                "DPOptimizer(optimizer, module=..., ...) or use "
                                "PrivacyEngine.make_private")
-        refuse_batch_norm(self._module)
+        refuse_batch_norm(self._batch_norms)
         batch = batch_size(args, kwargs)
         owners = [p for _, p in self.trainable_parameters()]  # FSDP's sharded ones: the optimizer's
         if self.fsdp_modules and not self._unsharded:
@@ -169,12 +170,16 @@ def batch_size(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> int:
                      "sample i of a batch must be row i of dim 0 of the inputs")
 
 
-def refuse_batch_norm(module: nn.Module) -> None:
-    """Raises, naming them, for BatchNorm layers in training mode that update
-    running statistics or have trainable affine parameters: their statistics
-    mix the samples of a batch."""
-    names = [name for name, m in module.named_modules()
-             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+def batch_norms(module: nn.Module) -> List[Tuple[str, nn.Module]]:
+    return [(name, m) for name, m in module.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def refuse_batch_norm(norms: List[Tuple[str, nn.Module]]) -> None:
+    """Raises, naming them, for BatchNorm layers (of ``batch_norms``) in
+    training mode that update running statistics or have trainable affine
+    parameters: their statistics mix the samples of a batch."""
+    names = [name for name, m in norms if m.training
              and (m.track_running_stats or any(p.requires_grad for p in m.parameters()))]
     if names:
         raise ValueError(
