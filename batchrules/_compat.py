@@ -92,20 +92,6 @@ def remove_batch_dim(tensor: Tensor, level: int, batch_size: int) -> Tensor:
     return torch._C._functorch._remove_batch_dim(tensor, level, batch_size, 0)
 
 
-@contextlib.contextmanager
-def single_level_functions_allowed() -> Iterator[None]:
-    """Lets an ``autograd.Function`` be applied, through ``_FunctionBase.apply``,
-    to plain tensors while a functorch transform is active (the transform then
-    never sees it): tape.py's anchor."""
-    functorch = torch._C._functorch
-    before = functorch.get_single_level_autograd_function_allowed()
-    functorch.set_single_level_autograd_function_allowed(True)
-    try:
-        yield
-    finally:
-        functorch.set_single_level_autograd_function_allowed(before)
-
-
 def version_counter(tensor: Tensor) -> int:
     """The tensor's in-place modification counter (shared with its views)."""
     return tensor._version

@@ -20,6 +20,7 @@
 #include "activations/definitions.h"
 #include "common/cpu_gemm.h"
 #include "common/packed_gemm.h"
+#include "dp/anchor/anchor.h"
 #include "ops.h"
 #include "routing.h"
 
@@ -105,6 +106,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Whether aten's MKL GEMM is preferred to oneDNN's here (Note [MKL or oneDNN by CPU vendor])");
   m.def("_mkl_packed_gemm", &batchrules::mkl_packed_gemm,
         "Whether recurrences pack W_hh once for all steps (Note [One packed W_hh for all steps])");
+  m.def("_anchor", &batchrules::anchor, py::arg("out"),
+        "Gives a fresh tensor a node whose backward computes nothing (Note [Anchored outputs])");
   // See Note [Eager entry of batchrules.linear].
   m.def("linear", &linear_entry, py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(),
         R"doc(The eager entry of batchrules.linear (see its docstring).)doc");

@@ -1,18 +1,13 @@
 """What clipped_grad records during the forward: the parameters and their uses."""
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from .._compat import (
-    add_batch_dim,
-    allow_requires_grad,
-    is_view,
-    single_level_functions_allowed,
-    version_counter,
-)
+from .. import _C
+from .._compat import add_batch_dim, allow_requires_grad, is_view, version_counter
 
 if TYPE_CHECKING:
     from .rule import Use
@@ -36,9 +31,7 @@ def tap(out: Tensor) -> GradientEdge:
     """The edge a rule's physical output is read back through (an output
     computed without grad is anchored first: Note [Anchored outputs])."""
     if out.grad_fn is None and not out.requires_grad:
-        with single_level_functions_allowed():
-            # Function.apply would route to functorch's custom_function_call under a transform
-            super(torch.autograd.Function, _Anchor).apply(_ANCHOR, [out])
+        _C._anchor(out)
     if is_view(out) or out.grad_fn is None:
         raise AssertionError("clipped_grad: a tapped output must be a fresh tensor with a node")
     return get_gradient_edge(out)
@@ -61,21 +54,10 @@ def weight_for(tape: "Tape", weight: Tensor, other_operands_need_grad: bool) -> 
 # ``loss.backward()``, which runs every node on a path to a leaf: that node
 # would form the layer's summed weight gradient (an embedding's a dense
 # [V, D] table), thrown away. So in the engine (``Tape.anchored``) the op runs
-# with detached operands and ``tap`` gives its fresh output a node of its own,
-# an autograd.Function whose backward returns nothing: the output gradient
-# reaches the tap, and nothing is computed from it.
-class _Anchor(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, anchor: Tensor, box: List[Tensor]) -> Tensor:
-        # In a list, the output is not an input of the Function (not a view of one).
-        return box[0]
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[None, None]:
-        return None, None
-
-
-_ANCHOR = torch.zeros((), requires_grad=True)  # a leaf, so that _Anchor records a node
+# with detached operands and ``tap`` gives its fresh output a node of its own
+# whose backward computes nothing (``batchrules::anchor``, in C++: an
+# autograd.Function would meet functorch's checks inside the per-call vmap).
+# The output gradient reaches the tap, and nothing is computed from it.
 
 
 @dataclass(eq=False)
