@@ -1,6 +1,6 @@
 """What clipped_grad records during the forward: the parameters and their uses."""
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -122,6 +122,19 @@ class Tape:
             with allow_requires_grad():
                 param.copy = leaf.expand(self.batch_size, *leaf.shape).requires_grad_()
         return add_batch_dim(param.copy, 0, self.level)
+
+    def take_grads(self, grads: Sequence[Optional[Tensor]]) -> None:
+        """Hands each use, in order, its output's gradient; a use whose
+        gradient is None (its output did not reach the loss) is dropped from
+        its parameters' uses, which the clipping then sees."""
+        reached = set()
+        for use, g in zip(self.uses, grads):
+            if g is not None:
+                # See Note [clipped_grad under autocast] in transform.py.
+                use.set_grad(g.to(next(iter(use.roles())).value.dtype))
+                reached.add(use)
+        for p in self.params:
+            p.uses = [u for u in p.uses if u in reached]
 
     def check_inputs_unchanged(self) -> None:
         """Raises if a recorded input changed in place; then forgets them."""

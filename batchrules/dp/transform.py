@@ -26,7 +26,7 @@ import contextlib
 import functools
 import math
 import numbers
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -41,7 +41,6 @@ from .clipping import clip
 from .gc_pause import paused_gc
 from .interceptor import Interceptor, intercepted_leaf
 from .layers import INTERCEPTS
-from .rule import Use
 from .tape import Param, Tape
 
 ArgNums = Union[int, Tuple[int, ...]]
@@ -209,16 +208,9 @@ def _backward(losses: Tensor, tape: Tape, params: List[Param]) -> None:
             "subclass, or a hook), so its per-sample norm would be wrong. Use it directly in "
             "the loss (as functional_call does), outside nested transforms")
     tape.check_inputs_unchanged()
-    reached: Set[Use] = set()
-    for use, g in zip(tape.uses, grads):
-        if g is not None:
-            # See Note [clipped_grad under autocast].
-            use.set_grad(g.to(next(iter(use.roles())).value.dtype))
-            reached.add(use)
+    tape.take_grads(grads)
     for p, g in zip(copies, grads[len(tape.uses):]):
         p.copy_grad = g
-    for p in params:  # the clipping sees only the uses whose output reached the loss
-        p.uses = [u for u in p.uses if u in reached]
 
 
 def _positions(argnums: ArgNums, n_args: int) -> Tuple[int, ...]:

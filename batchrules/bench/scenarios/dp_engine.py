@@ -34,7 +34,7 @@ from .dp_third_party import (
     _summed_reference,
     bert_problem,
     gpt2_problem,
-    positions,
+    guarded,
 )
 
 VARIANTS = ("engine", "engine_first", "nonprivate", "opacus_hooks", "opacus_ghost")
@@ -107,10 +107,6 @@ def _mlp_problem(batch: int, device: torch.device) -> Problem:
     return Problem(model, (x,), y, nn.CrossEntropyLoss(reduction="sum"))
 
 
-def _gpt2(size: Size, device: torch.device, lora: bool = False) -> Problem:
-    return gpt2_problem(size, device, lora)
-
-
 def _call(model: nn.Module, x: Tensor) -> Tensor:
     return model(x)
 
@@ -119,27 +115,11 @@ def _bert_2d(size: Size, device: torch.device) -> Problem:
     """``bert_problem`` with the standard 2-D 0/1 attention_mask."""
     problem = bert_problem(size, device)
     ids, additive = problem.inputs
-    mask = (additive.view(len(ids), -1) == 0).long()
-    bert = problem.model.model
-    assert isinstance(bert, nn.Module)
-    return problem._replace(model=Logits(bert, _bert_logits_2d).to(device), inputs=(ids, mask))
-
-
-def _bert_logits_2d(model: nn.Module, ids: Tensor, mask: Tensor) -> Tensor:
-    # batched position and token type ids: see Note [Position ids for Opacus] in dp_third_party.py
-    return model(input_ids=ids, attention_mask=mask, position_ids=positions(ids),
-                 token_type_ids=torch.zeros(ids.shape, dtype=torch.long, device=ids.device)).logits
+    return problem._replace(inputs=(ids, (additive.view(len(ids), -1) == 0).long()))
 
 
 def _guarded(problem: Callable[[torch.device], Problem]) -> Callable[[torch.device], CaseSetup]:
-    def build(device: torch.device) -> CaseSetup:
-        try:
-            made = problem(device)
-        except ImportError as exc:
-            why = f"{type(exc).__name__}: {exc}"
-            return CaseSetup([], reference=lambda: [], skipped=dict.fromkeys(VARIANTS, why))
-        return engine_setup(made)
-    return build
+    return guarded(problem, engine_setup, VARIANTS)
 
 
 def targets(near_nonprivate: bool, opacus: str = "opacus_ghost") -> Sequence[Target]:
@@ -168,7 +148,7 @@ def cases(mode: str) -> List[Case]:
         t = f"{size.layers} layers, d={size.d}, {size.tokens} tokens, batch {size.batch}"
         rows.append(Case("dp_engine_gpt2", size.name, "large", 4 * size.layers + 1,
                          f"DP-SGD in the user's loop, transformers GPT-2 (tied wte), {t}",
-                         _guarded(functools.partial(_gpt2, size)),
+                         _guarded(functools.partial(gpt2_problem, size)),
                          targets(True, "opacus_hooks")))
         if mode == "full":
             rows += [
@@ -177,6 +157,6 @@ def cases(mode: str) -> List[Case]:
                      _guarded(functools.partial(_bert_2d, size)), targets(True)),
                 Case("dp_engine_lora", size.name, "large", 2 * size.layers,
                      f"DP-SGD in the user's loop, peft LoRA r=8 on GPT-2 c_attn, {t}",
-                     _guarded(functools.partial(_gpt2, size, lora=True)),
+                     _guarded(functools.partial(gpt2_problem, size, lora=True)),
                      targets(True))]
     return rows

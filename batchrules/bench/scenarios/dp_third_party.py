@@ -248,16 +248,18 @@ def dp_setup(problem: Problem) -> CaseSetup:
         *_ghost(model, xs, y, criterion, reference_of, setup)])
 
 
-def guarded(problem: Callable[[torch.device], Problem]) -> Callable[[torch.device], CaseSetup]:
-    """The case's build: ``dp_setup`` of the problem, or every variant skipped
-    when its package is missing."""
+def guarded(problem: Callable[[torch.device], Problem],
+            setup: Callable[[Problem], CaseSetup] = dp_setup,
+            variants: Sequence[str] = VARIANTS) -> Callable[[torch.device], CaseSetup]:
+    """The case's build: ``setup`` of the problem, or every variant of
+    ``variants`` skipped when its package is missing."""
     def build(device: torch.device) -> CaseSetup:
         try:
             made = problem(device)
         except ImportError as exc:
             why = f"{type(exc).__name__}: {exc}"
-            return CaseSetup([], reference=lambda: [], skipped=dict.fromkeys(VARIANTS, why))
-        return dp_setup(made)
+            return CaseSetup([], reference=lambda: [], skipped=dict.fromkeys(variants, why))
+        return setup(made)
     return build
 
 

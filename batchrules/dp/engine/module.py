@@ -8,7 +8,7 @@ sums up (Note [The clipping runs at the end of the user's backward]); the
 clipping are clipped_grad's.
 """
 import functools
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -97,17 +97,14 @@ class PrivateModule(nn.Module):
         if self.fsdp_modules and not self._unsharded:
             unshard(self.fsdp_modules)
             self._unsharded = True
-        named = self.trainable_parameters()
-        params = leaves(named)
-        tape = Tape(params, batch, -1, anchored=True)
-        leaf_of = {n: p.leaf for (n, _), p in zip(named, params)}
         with hooks_set_aside(self.fsdp_modules):
             if batch == 0:  # nothing to clip; counted as a backward, as Opacus counts it
                 self._backwards += 1
+                named = self.trainable_parameters()
+                leaf_of = {n: p.leaf for (n, _), p in zip(named, leaves(named))}
                 return functional_call(self._module, leaf_of, args, kwargs, strict=False)
-            with Interceptor(tape, INTERCEPTS), routing.enabled():
-                out = functional_call(self._module, leaf_of, args, kwargs, strict=False)
-        Recording(tape, params, functools.partial(self._clip, owners))
+            out = recorded_forward(self._module, self.trainable_parameters(), args, kwargs, batch,
+                                   functools.partial(self._clip, owners))
         if self.first_step is not None and not self.first_step.started:
             self.first_step.watch(args, kwargs, out, batch)
         return out
@@ -142,14 +139,30 @@ class PrivateModule(nn.Module):
     def take_clipped_sums(self) -> Dict[nn.Parameter, Tensor]:
         """The clipped sums the backwards since the last call added up (a
         parameter no backward reached has none), and forgets them."""
-        self.reshard()  # a forward without a backward (an empty batch's) left them full
         sums, self._sums = self._sums, {}
         return sums
 
     def take_backward_count(self) -> int:
-        """How many backwards were clipped since the last call."""
+        """How many backwards were clipped since the last call (the
+        optimizer's every step); FSDP's full parameters are freed by then."""
+        self.reshard()  # a forward without a backward (an empty batch's) left them full
         count, self._backwards = self._backwards, 0
         return count
+
+
+def recorded_forward(model: nn.Module, named: List[Tuple[str, nn.Parameter]], args: Tuple[Any, ...],
+                     kwargs: Dict[str, Any], batch: int,
+                     on_done: Callable[[Recording], None]) -> Any:
+    """``model``'s batched forward with ``named`` as intercepted leaves
+    (Note [A batched forward, one vmap per call]); ``on_done`` after the
+    backward (Note [The clipping runs at the end of the user's backward])."""
+    params = leaves(named)
+    tape = Tape(params, batch, -1, anchored=True)
+    with Interceptor(tape, INTERCEPTS), routing.enabled():
+        out = functional_call(model, {n: p.leaf for (n, _), p in zip(named, params)}, args,
+                              kwargs, strict=False)
+    Recording(tape, params, on_done)
+    return out
 
 
 def leaves(named: List[Tuple[str, nn.Parameter]]) -> List[Param]:

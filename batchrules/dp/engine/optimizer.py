@@ -63,8 +63,6 @@ class DPOptimizer(Optimizer):
         self.process_group = process_group
         self.step_hooks: List[Callable[["DPOptimizer"], None]] = []
         self._skip_queue: List[bool] = []
-        self._sums: Dict[nn.Parameter, Tensor] = {}
-        self._backwards = 0
         module.max_grad_norm = self.max_grad_norm
 
     # The wrapped optimizer's state is this one's (schedulers, checkpoints).
@@ -120,23 +118,21 @@ class DPOptimizer(Optimizer):
         first = self.module.first_step
         if first is not None and first.pending():
             first.check(self.module)  # before any update
-        for p, s in self.module.take_clipped_sums().items():
-            self._sums[p] = self._sums[p] + s if p in self._sums else s
         # Opacus' accumulated iterations: the backwards since the last step, skipped or not
-        self._backwards = self.module.take_backward_count()
+        backwards = self.module.take_backward_count()
         if self._skip_queue and self._skip_queue.pop(0):
-            return loss
-        self._update()
+            return loss  # the module keeps adding the clipped sums up
+        self._update(self.module.take_clipped_sums(), backwards)
         self.original_optimizer.step()
         for hook in self.step_hooks:
             hook(self)
         return loss
 
-    def _update(self) -> None:
+    def _update(self, clipped: Dict[nn.Parameter, Tensor], backwards: int) -> None:
         """``p.grad``: the clipped sum plus noise, scaled (noise only: no sum)."""
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         sharded = bool(self.module.fsdp_modules)  # Note [The engine on an FSDP2 model] in fsdp.py
-        sums = [self._sums[p] if p in self._sums else _zeros(p, sharded) for p in params]
+        sums = [clipped[p] if p in clipped else _zeros(p, sharded) for p in params]
         group = params[0].device_mesh.get_group() if sharded and params else self.process_group
         first_rank = group is None or torch.distributed.get_rank(group) == 0
         std = self.noise_multiplier * self.max_grad_norm
@@ -152,11 +148,10 @@ class DPOptimizer(Optimizer):
         denominator = 1.0
         if self.loss_reduction == "mean":
             assert self.expected_batch_size is not None
-            denominator = float(self.expected_batch_size * max(self._backwards, 1))
+            denominator = float(self.expected_batch_size * max(backwards, 1))
         for p, s in zip(params, sums):  # the sums are this step's own: scaled in place
             s = s.div_(denominator) if denominator != 1.0 else s
             p.grad = s if sharded else s.to(p.dtype).view_as(p)
-        self._sums, self._backwards = {}, 0
 
 
 def _zeros(p: Tensor, sharded: bool) -> Tensor:

@@ -76,17 +76,10 @@ class Recording:
                 "so its per-sample gradient norm is unknown. Apply parameters through calls that "
                 "take the batch (F.linear(x, w) rather than x @ w.t())")
         self.tape.check_inputs_unchanged()
-        reached = set()
-        for i, use in enumerate(self.tape.uses):
-            g = self.grads.pop(i, None)
-            if g is not None:
-                # See Note [clipped_grad under autocast] in transform.py.
-                use.set_grad(g.to(next(iter(use.roles())).value.dtype))
-                reached.add(id(use))
+        self.tape.take_grads([self.grads.pop(i, None) for i in range(len(self.tape.uses))])
         for p in self.params:
             if p.copy is not None:
                 p.copy_grad = p.copy.grad
-            p.uses = [u for u in p.uses if id(u) in reached]
         with torch.no_grad(), _autocast_off(self.params):
             self.on_done(self)
         for p in self.params:  # a Param and its uses refer to each other

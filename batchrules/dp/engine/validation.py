@@ -24,11 +24,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ... import routing
 from ..clipping import per_sample_grad
-from ..interceptor import Interceptor
-from ..layers import INTERCEPTS
-from ..tape import Tape
 from .recording import Recording
 
 _RTOL = {torch.float64: 1e-6, torch.float32: 1e-3}
@@ -133,20 +129,15 @@ def _outputs(out: Any, cotangents: Dict[int, Tensor],
 def _engine_norms(model: nn.Module, named: List[Tuple[str, nn.Parameter]], inputs: Any,
                   cotangents: Dict[int, Tensor], picked: Tensor) -> List[Tensor]:
     """Each parameter's per-sample gradient norms ``[2]`` through the engine."""
-    from .module import leaves  # module.py imports this file
+    from .module import recorded_forward  # module.py imports this file
 
-    params = leaves(named)
-    tape = Tape(params, len(picked), -1, anchored=True)
-    with Interceptor(tape, INTERCEPTS), routing.enabled():
-        out = functional_call(model, {n: p.leaf for (n, _), p in zip(named, params)},
-                              inputs[0], inputs[1], strict=False)
     norms: List[Tensor] = []
 
     def done(recording: Recording) -> None:
         for p in recording.params:
             norms.append(per_sample_grad(p, len(picked)).flatten(1).norm(dim=1))
 
-    Recording(tape, params, done)
+    out = recorded_forward(model, named, inputs[0], inputs[1], len(picked), done)
     outs, cots = _outputs(out, cotangents, picked)
     torch.autograd.backward(outs, cots)
     if not norms:  # no use reached the outputs
