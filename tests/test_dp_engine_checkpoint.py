@@ -57,17 +57,27 @@ def assert_identical(a: Dict[str, Any], b: Dict[str, Any]) -> None:
     assert a["epsilon"] == b["epsilon"] and a["history"] == b["history"]
 
 
-def test_resume_is_bit_identical() -> None:
+def uninterrupted(epochs: int) -> Dict[str, Any]:
+    """The snapshot after ``epochs`` epochs of the seed-0 run."""
     engine, model, optimizer, loader = private_run(seed=0)
-    for _ in range(3):
+    for _ in range(epochs):
         train_epoch(model, optimizer, loader)
-    want = snapshot(engine, model, optimizer)
+    return snapshot(engine, model, optimizer)
 
+
+def checkpoint_after_one_epoch() -> io.BytesIO:
+    """The seed-0 run's checkpoint after its first epoch, ready to read."""
     engine, model, optimizer, loader = private_run(seed=0)
     train_epoch(model, optimizer, loader)
     buffer = io.BytesIO()
     engine.save_checkpoint(path=buffer, module=model, optimizer=optimizer)
     buffer.seek(0)
+    return buffer
+
+
+def test_resume_is_bit_identical() -> None:
+    want = uninterrupted(epochs=3)
+    buffer = checkpoint_after_one_epoch()
 
     # other initial weights and generators: everything must come from the checkpoint
     engine, model, optimizer, loader = private_run(seed=1)
@@ -80,16 +90,8 @@ def test_resume_is_bit_identical() -> None:
 def test_resume_without_the_generators_differs() -> None:
     """The generators' states are what makes the resume exact: dropping them
     from the checkpoint gives another run (so the test above can fail)."""
-    engine, model, optimizer, loader = private_run(seed=0)
-    for _ in range(2):
-        train_epoch(model, optimizer, loader)
-    want = snapshot(engine, model, optimizer)
-
-    engine, model, optimizer, loader = private_run(seed=0)
-    train_epoch(model, optimizer, loader)
-    buffer = io.BytesIO()
-    engine.save_checkpoint(path=buffer, module=model, optimizer=optimizer)
-    buffer.seek(0)
+    want = uninterrupted(epochs=2)
+    buffer = checkpoint_after_one_epoch()
     checkpoint = torch.load(buffer, weights_only=True)
     for key in ("noise_generator_state", "data_loader_generator_states"):
         del checkpoint[key]

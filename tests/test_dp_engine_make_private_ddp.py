@@ -2,6 +2,7 @@
 ranks (Poisson sampling of each rank's share, noise from one generator) equals
 one process stepping on the union of the ranks' batches (float64)."""
 import os
+from typing import Any, Callable, Dict
 
 import pytest
 import torch
@@ -39,28 +40,24 @@ def step(private: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor) -> Non
     optimizer.step()
 
 
-def worker(rank: int, port: int, out_dir: str) -> None:
-    dp_sgd_ranks._init(rank, WORLD, port)
-    model, data = task()
-    engine = PrivacyEngine(accountant="rdp")
-    private, optimizer, loader = make_private(engine, nn.parallel.DistributedDataParallel(model),
-                                              data)
-    assert optimizer.process_group is not None and optimizer.expected_batch_size == 10
+def train_share(rank: int, engine: PrivacyEngine, private: nn.Module, optimizer, loader,
+                state: Callable[[], Dict[str, torch.Tensor]], out_dir: str) -> None:
+    """This rank's epochs on its Poisson share; saves the full state, the
+    drawn indices and the accountant's history."""
     drawn = []
     for _ in range(EPOCHS):
         for x, y, idx in loader:
             assert all(i % WORLD == rank for i in idx.tolist())  # this rank's share
             drawn.append(idx)
             step(private, optimizer, x, y)
-    torch.save({"state": model.state_dict(), "drawn": drawn, "history": engine.accountant.history},
+    torch.save({"state": state(), "drawn": drawn, "history": engine.accountant.history},
                os.path.join(out_dir, f"rank{rank}.pt"))
-    dp_sgd_ranks._finish()
 
 
-def test_ddp_make_private_matches_one_process(tmp_path) -> None:
-    spawn(worker, str(tmp_path))
+def assert_ranks_match_one_process(tmp_path, make_task: Callable[[], Any]) -> None:
+    """One process stepping on the union of the ranks' batches ends where every rank did."""
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    model, data = task()
+    model, data = make_task()
     engine = PrivacyEngine(accountant="rdp")
     private, optimizer, _ = make_private(engine, model, data, poisson_sampling=False)
     steps = len(ranks[0]["drawn"])
@@ -75,4 +72,20 @@ def test_ddp_make_private_matches_one_process(tmp_path) -> None:
         for name in want:
             torch.testing.assert_close(got["state"][name], want[name], rtol=1e-10, atol=1e-10,
                                        msg=lambda m: f"rank {r}, {name}: {m}")
-    assert not torch.equal(want["0.weight"], task()[0].state_dict()["0.weight"])
+    assert not torch.equal(want["0.weight"], make_task()[0].state_dict()["0.weight"])
+
+
+def worker(rank: int, port: int, out_dir: str) -> None:
+    dp_sgd_ranks._init(rank, WORLD, port)
+    model, data = task()
+    engine = PrivacyEngine(accountant="rdp")
+    private, optimizer, loader = make_private(engine, nn.parallel.DistributedDataParallel(model),
+                                              data)
+    assert optimizer.process_group is not None and optimizer.expected_batch_size == 10
+    train_share(rank, engine, private, optimizer, loader, model.state_dict, out_dir)
+    dp_sgd_ranks._finish()
+
+
+def test_ddp_make_private_matches_one_process(tmp_path) -> None:
+    spawn(worker, str(tmp_path))
+    assert_ranks_match_one_process(tmp_path, task)

@@ -3,7 +3,7 @@ secure mode drawing from ``os.urandom`` only, and the engine's update minus its
 noise-free value having std sigma * C / B (float64)."""
 import math
 import os
-from typing import Callable, Dict
+from typing import Callable, Dict, List
 
 import pytest
 import torch
@@ -52,10 +52,10 @@ def test_secure_refuses_a_generator() -> None:
         gaussian_noise(torch.zeros(2), 1.0, torch.Generator(), secure=True)
 
 
-def test_secure_noise_draws_from_urandom_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """32 bytes of os.urandom per element (4 normals, Box-Muller from 53-bit
-    uniforms); torch's generators are neither read nor advanced."""
-    calls = []
+def urandom_only(monkeypatch: pytest.MonkeyPatch) -> List[int]:
+    """From now on: os.urandom counted (the sizes asked for, returned) and
+    torch's generators forbidden."""
+    calls: List[int] = []
     real_urandom = os.urandom
 
     def counting_urandom(n: int) -> bytes:
@@ -69,6 +69,13 @@ def test_secure_noise_draws_from_urandom_only(monkeypatch: pytest.MonkeyPatch) -
     for name in ("normal", "randn", "rand", "randn_like"):
         monkeypatch.setattr(torch, name, no_torch_rng)
     monkeypatch.setattr(torch.Tensor, "normal_", no_torch_rng)
+    return calls
+
+
+def test_secure_noise_draws_from_urandom_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """32 bytes of os.urandom per element (4 normals, Box-Muller from 53-bit
+    uniforms); torch's generators are neither read nor advanced."""
+    calls = urandom_only(monkeypatch)
     state = torch.get_rng_state()
     noise = gaussian_noise(torch.zeros(5, 7, dtype=torch.bfloat16), 2.0, None, secure=True)
     assert noise.dtype == torch.bfloat16 and noise.shape == (5, 7)
@@ -151,26 +158,15 @@ def test_update_noise_has_std_sigma_c_over_b(loss_reduction: str) -> None:
 def test_engine_secure_mode_draws_noise_from_urandom(monkeypatch: pytest.MonkeyPatch) -> None:
     """secure_mode: 32 bytes of os.urandom per trainable element, and no draw
     from torch's generators."""
-    calls = []
-    real_urandom = os.urandom
-
-    def counting_urandom(n: int) -> bytes:
-        calls.append(n)
-        return real_urandom(n)
-
-    def no_torch_rng(*args: object, **kwargs: object) -> None:
-        raise AssertionError("secure noise called torch's generator")
+    calls: List[List[int]] = []  # urandom_only's list, once the step makes it
 
     def forbid_torch_rng() -> None:
-        monkeypatch.setattr(os, "urandom", counting_urandom)
-        for name in ("normal", "randn", "rand", "randn_like"):
-            monkeypatch.setattr(torch, name, no_torch_rng)
-        monkeypatch.setattr(torch.Tensor, "normal_", no_torch_rng)
+        calls.append(urandom_only(monkeypatch))
         state.append(torch.get_rng_state())
 
     clean = engine_step(0.0, "mean")
     state: list = []
     noisy = engine_step(1.0, "mean", secure=True, before_step=forbid_torch_rng)
     assert torch.equal(torch.get_rng_state(), state[0])
-    assert sum(calls) == 32 * sum(v.numel() for v in clean.values())
+    assert sum(calls[0]) == 32 * sum(v.numel() for v in clean.values())
     assert not torch.equal(noisy["0.weight"], clean["0.weight"])
