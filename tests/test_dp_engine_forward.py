@@ -186,3 +186,17 @@ def test_an_empty_batch_counts_as_a_backward():
     # each sample's gradient of its output's sum is ones(2) x x_i
     expected = torch.ones(2, 1, dtype=torch.float64) * x.sum(0) / 8
     torch.testing.assert_close(before - model.weight.detach(), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_a_zero_length_sequence_raises_eagers_error(batch_first):
+    lstm = nn.LSTM(3, 4, batch_first=batch_first)
+    private = PrivateModule(lstm)
+    DPOptimizer(torch.optim.SGD(lstm.parameters(), lr=0.1), module=private, noise_multiplier=0.0,
+                max_grad_norm=C, expected_batch_size=2)
+    x = torch.randn(2, 0, 3) if batch_first else torch.randn(0, 2, 3)
+    with pytest.raises(RuntimeError, match="Expected sequence length to be larger than 0") as eager:
+        lstm(x)
+    with pytest.raises(RuntimeError) as engine:
+        private(x)
+    assert str(engine.value) == str(eager.value)

@@ -159,6 +159,8 @@ class RecurrentLayerRule(Rule):
             return NOT_HANDLED
         if batch_first:
             a = a.transpose(1, 2)  # B,N,T,I -> B,T,N,I
+        if a.shape[1] == 0:  # eager's check, which the recurrence's reshapes would not give
+            raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
         low = autocast_dtype(a) if cls.mode != 1 else None  # Note [Recurrent layers under autocast]
         if low is not None:
             a, hp = a.to(low), hp.to(low)
