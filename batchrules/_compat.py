@@ -132,7 +132,7 @@ def vmap_over_tensors(fn: Callable[..., Tensor], args: Sequence[Tensor],
     if not sizes:
         raise ValueError("vmap: at least one argument must be batched (an int in_dims), "
                          f"got in_dims {tuple(in_dims)}")
-    if len(set(sizes)) != 1:
+    if any(size != sizes[0] for size in sizes[1:]):  # no set(): sizes may be SymInts
         raise ValueError(f"vmap: expected all tensors to have the same size in the mapped "
                          f"dimension, got sizes {sizes} for the mapped dimension")
     functorch = torch._C._functorch

@@ -4,7 +4,8 @@
   (``register_linear_polyfill``);
 - AOTAutograd decomposes the batchrules operators (``register_decompositions``,
   below);
-- ``clipped_grad`` runs eagerly, outside the graph (``eager_under_compile``).
+- ``clipped_grad`` is one opaque call to Dynamo that AOTAutograd traces
+  through (Note [clipped_grad under torch.compile] in dp/compiled_step.py).
 
 ``install()`` (run by ``import batchrules``) registers the first two; the
 Dynamo parts wait for ``torch._dynamo``'s import (Note [Registering with
@@ -52,9 +53,8 @@ Consequences: ``torch.export.export`` keeps ``batchrules.linear`` in its
 the decomposition: changed kernels (a batchrules upgrade) are only seen in
 compiled code after clearing Inductor's cache directory.
 """
-import functools
 from types import ModuleType
-from typing import Any, Callable, Optional, ParamSpec, Tuple, TypeVar
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -65,9 +65,6 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 from . import _C
 from ._post_import import when_imported
 from .activations import ACTIVATIONS
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 # Every batchrules operator: each has a CompositeExplicitAutograd kernel to trace.
 OPS: Tuple[str, ...] = ("batchrules::linear", "batchrules::linear_backward") + tuple(
@@ -90,31 +87,6 @@ def register_linear_polyfill(dynamo: ModuleType) -> None:
     @dynamo.substitute_in_graph(_C.linear, skip_signature_check=True)
     def _linear_polyfill(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         return linear(input, weight, bias)
-
-
-def eager_under_compile(fn: Callable[P, R]) -> Callable[P, R]:
-    """Decorator: ``torch.compile`` never traces ``fn``; a compiled function
-    calling it breaks its graph there and runs ``fn`` eagerly.
-
-    For functions Dynamo cannot trace, such as ``clipped_grad``'s body (its
-    interception, its own vmap levels and ``autograd.grad``). That is
-    ``torch._dynamo.disable(fn)``, but importing Dynamo costs most of a second,
-    so the decorated function calls ``fn`` itself until ``torch._dynamo`` is
-    imported (nothing compiles before), and ``disable(fn)`` from then on.
-    """
-    run: Callable[P, R] = fn
-
-    def disable_in_dynamo(dynamo: ModuleType) -> None:
-        nonlocal run
-        run = dynamo.disable(fn)
-
-    when_imported("torch._dynamo", disable_in_dynamo)
-
-    @functools.wraps(fn)
-    def eager(*args: P.args, **kwargs: P.kwargs) -> R:
-        return run(*args, **kwargs)
-
-    return eager
 
 
 def _plain(types: Tuple[type, ...]) -> bool:

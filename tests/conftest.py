@@ -240,9 +240,9 @@ def clip_shapes(monkeypatch: pytest.MonkeyPatch) -> List[Tuple[int, ...]]:
     mode = Shapes()
     original = transform.clip
 
-    def clip(*args: Any) -> Any:
+    def clip(*args: Any, **kwargs: Any) -> Any:
         with mode:
-            return original(*args)
+            return original(*args, **kwargs)
 
     monkeypatch.setattr(transform, "clip", clip)
     return mode.shapes

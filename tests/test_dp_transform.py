@@ -238,17 +238,3 @@ def test_dropout_with_vmap_randomness() -> None:
     per = vmap(grad(loss), in_dims=(None, 0, 0), randomness="same")(params, x, y)
     norms = torch.cat([g.flatten(1) for g in per.values()], 1).norm(dim=1)
     assert_close_rel(got[1], norms)
-
-
-def test_torch_compile_runs_it_eagerly() -> None:
-    """A compiled training step breaks its graph at clipped_grad, which runs eagerly."""
-    params, x, y = mlp_params(), batched((4,), 0), labels(0)
-    step = batchrules.clipped_grad(mlp_loss, 0.5)
-
-    def train_step(p, xi, yi):
-        sums, norms = step(p, xi, yi)
-        return {k: v - 0.1 * sums[k] for k, v in p.items()}, norms
-
-    got = torch.compile(train_step)(params, x, y)
-    want = train_step(params, x, y)
-    assert_close_rel(got, want)

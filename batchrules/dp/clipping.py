@@ -220,11 +220,12 @@ def _storage(t: Tensor) -> int:
 
 
 def clip(params: List[Param], batch: int, max_norm: float,
-         scale: float = 1.0) -> Tuple[List[Tensor], Tensor]:
+         scale: float = 1.0, in_place: bool = True) -> Tuple[List[Tensor], Tensor]:
     """The clipped sum of every parameter (in order) and the per-sample norms.
     ``scale``: the recorded gradients are the per-sample losses' divided by
     it (the engine's mean over the batch, 1/B); norms and sums are then the
-    per-sample losses'.
+    per-sample losses'. ``in_place=False`` while traced, where storages are
+    not known (the compiler reuses buffers itself).
 
     Recorded tensors are released as soon as every parameter of their use is
     summed, and the sums are formed smallest first, so that the largest
@@ -249,10 +250,10 @@ def clip(params: List[Param], batch: int, max_norm: float,
     # may then scale it in place: unless autograd handed the same storage to
     # several recorded outputs (an add's backward passes one tensor to both).
     live = {id(u): u for p in params for u in p.uses}
-    storages = Counter(_storage(u.grad) for u in live.values())
+    storages = Counter(_storage(u.grad) for u in live.values()) if in_place else Counter()
 
     def owned(g: Tensor) -> bool:
-        return storages[_storage(g)] == 1
+        return in_place and storages[_storage(g)] == 1
 
     sums: Dict[Param, Tensor] = {}
     fused_biases = set(fused.values())

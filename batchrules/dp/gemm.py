@@ -15,7 +15,9 @@ operand is written once, transposed and contiguous, as X: oneDNN copies a
 transposed X itself, so the only temporary is the scaled copy the other path
 makes too. Where that path would scale a writable operand in place and the
 copy would be larger than the result, it keeps the in-place sgemm instead
-(peak memory before speed). Every other case is ``torch.mm``: float64, CUDA,
+(peak memory before speed). Every other case is ``torch.mm``: under
+torch.compile (Inductor picks its GEMMs, and lowers this op only for frozen
+weights), float64, CUDA,
 no oneDNN, and a wider operand whose rows are not packed one after the
 other: overlapping (the stride-0 gradient of a sum) or spaced (a slice, as a
 [CLS] token's rows), for which oneDNN runs a reference kernel, orders of
@@ -68,6 +70,7 @@ def _onednn_for(narrow: Tensor, wide_rows: Tensor, macs: int,
     """oneDNN's linear where it forms the sum (Note [oneDNN for the clipped
     sums]), else None; ``wide_rows``: the wider operand as ``[R, K]``."""
     runs = (_ONEDNN_PREFERRED and torch._C._get_mkldnn_enabled() and macs >= _ONEDNN_MIN_MACS
+            and not torch.compiler.is_compiling()  # Inductor picks a traced step's GEMMs
             and narrow.device.type == "cpu" and narrow.dtype == wide_rows.dtype == torch.float32
             and wide_rows.is_contiguous()
             and not (in_place and narrow.numel() > narrow.shape[-1] * wide_rows.shape[-1]))

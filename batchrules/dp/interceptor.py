@@ -13,12 +13,21 @@ price: a rule can only intercept calls that take a parameter (a layer rule's
 weight, BatchNorm's affine parameters), and a BatchNorm in training mode
 without affine parameters is refused by torch's own checks under vmap (as
 under ``vmap(grad)``) rather than by clipped_grad's message.
+
+Note [Intercepting while traced]
+A traced step (Note [clipped_grad under torch.compile] in compiled_step.py)
+cannot use the subclass: make_fx's proxy mode refuses any tensor type it does
+not know, and FakeTensors cannot be re-wrapped as another subclass. There the
+leaves are plain tensors and the Interceptor is reached through an
+``InterceptingMode`` instead, which finds the leaves among a call's arguments
+by identity. That the mode sees every call costs only while tracing.
 """
 import threading
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from .._compat import current_transform_level, only_vmaps_above
 from .batched_forward import per_sample_call
@@ -67,10 +76,30 @@ class Differentiated(Tensor):
             return interceptor.handle(func, args, kwargs)
 
 
-def intercepted_leaf(leaf: Tensor) -> Differentiated:
+def intercepted_leaf(leaf: Tensor, traced: bool = False) -> Tensor:
     """A detached ``Differentiated`` leaf that requires grad, sharing ``leaf``'s
-    storage (``_make_subclass`` detaches it)."""
+    storage (``_make_subclass`` detaches it); a plain one for a traced step
+    (Note [Intercepting while traced])."""
+    if traced:
+        return leaf.detach().requires_grad_()
     return Tensor._make_subclass(Differentiated, leaf, True)
+
+
+class InterceptingMode(TorchFunctionMode):
+    """Routes the calls that take one of ``interceptor``'s leaves to it; the
+    others run as they are (Note [Intercepting while traced])."""
+
+    def __init__(self, interceptor: "Interceptor") -> None:
+        super().__init__()
+        self.interceptor = interceptor
+
+    def __torch_function__(self, func: Callable, types: Any, args: Tuple[Any, ...] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        interceptor = self.interceptor
+        if interceptor.holds_param(args) or interceptor.holds_param(kwargs.values()):
+            return interceptor.handle(func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 class Interceptor:
@@ -82,16 +111,21 @@ class Interceptor:
     copies] in tape.py).
     """
 
-    def __init__(self, tape: Tape, intercepts: Dict[Callable, Intercept]) -> None:
+    def __init__(self, tape: Tape, intercepts: Dict[Callable, Intercept], traced: bool = False) -> None:
         self.tape = tape
         self.intercepts = intercepts
         self._outer: Optional[Interceptor] = None
+        self._mode = InterceptingMode(self) if traced else None
 
     def __enter__(self) -> "Interceptor":
         self._outer, _active.interceptor = _active.interceptor, self
+        if self._mode is not None:
+            self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
         _active.interceptor = self._outer
 
     def handle(self, func: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -118,12 +152,12 @@ class Interceptor:
             kwargs = {k: self._substitute(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
 
-    def _holds_param(self, items: Iterable[Any]) -> bool:
+    def holds_param(self, items: Iterable[Any]) -> bool:
         for item in items:
             if isinstance(item, Tensor):
                 if self.tape.param(item) is not None:
                     return True
-            elif isinstance(item, (list, tuple)) and self._holds_param(item):
+            elif isinstance(item, (list, tuple)) and self.holds_param(item):
                 return True
         return False
 
@@ -131,7 +165,7 @@ class Interceptor:
         if isinstance(item, Tensor):
             param = self.tape.param(item)
             return item if param is None else self.tape.per_sample_copy(param)
-        if isinstance(item, (list, tuple)) and self._holds_param(item):
+        if isinstance(item, (list, tuple)) and self.holds_param(item):
             values = [self._substitute(i) for i in item]
             # A namedtuple takes its fields as arguments; list, tuple and torch.Size an iterable.
             return type(item)(*values) if hasattr(item, "_fields") else type(item)(values)

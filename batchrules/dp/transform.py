@@ -36,8 +36,8 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from .. import routing
 from .._compat import batched_level, current_transform_level, unwrap_batched, vmap_over_tensors
-from ..compile import eager_under_compile
 from .clipping import clip
+from .compiled_step import StepSpec, traced_clipped_grad
 from .gc_pause import paused_gc
 from .interceptor import Interceptor, intercepted_leaf
 from .layers import INTERCEPTS
@@ -98,9 +98,13 @@ def clipped_grad(loss: Callable[..., Any], max_norm: float, *, in_dims: Any = No
     _check_max_norm(max_norm)
     _check_argnums(argnums)
 
+    spec = StepSpec(loss, float(max_norm), in_dims, argnums, has_aux, randomness)
+
     @functools.wraps(loss)
     def clipped(*args: Any) -> Any:
-        return _clipped_grad(loss, float(max_norm), in_dims, argnums, has_aux, randomness, args)
+        if torch.compiler.is_compiling():  # Note [clipped_grad under torch.compile]
+            return traced_clipped_grad(spec, args)
+        return _clipped_grad(spec, args)
 
     return clipped
 
@@ -121,25 +125,30 @@ def _check_argnums(argnums: Any) -> None:
         raise ValueError(f"clipped_grad: argnums must not repeat, got {argnums}")
 
 
-@eager_under_compile  # torch.compile does not trace it: it runs eagerly between graphs
 @paused_gc()  # Note [No cyclic collection during a step]
-def _clipped_grad(loss: Callable[..., Any], max_norm: float, in_dims: Any, argnums: ArgNums,
-                  has_aux: bool, randomness: str, args: Tuple[Any, ...]) -> Any:
-    """One step: the forward under vmap, the one backward, the clipping."""
+def _clipped_grad(spec: StepSpec, args: Tuple[Any, ...]) -> Any:
+    return clipped_step(spec, args)
+
+
+def clipped_step(spec: StepSpec, args: Tuple[Any, ...], traced: bool = False) -> Any:
+    """One step: the forward under vmap, the one backward, the clipping;
+    ``traced``: under make_fx/AOTAutograd (Note [Intercepting while traced])."""
+    loss, max_norm, in_dims, argnums, has_aux, randomness = \
+        spec.loss, spec.max_norm, spec.in_dims, spec.argnums, spec.has_aux, spec.randomness
     if current_transform_level() is not None:
         raise RuntimeError("clipped_grad cannot run inside a torch.func transform (vmap, grad, "
                            "...): it runs its own vmap and a plain autograd backward")
     positions = _positions(argnums, len(args))
     dims = _in_dims(in_dims, positions, len(args))
-    params, specs = _params(args, positions)
+    params, specs = _params(args, positions, traced)
     differentiated = dict(zip(positions, _trees([p.leaf for p in params], specs)))
     # The project's routed ops (attention, losses, ...) take their batching
     # rules in the forward whatever the user's routing; restored on exit.
     with torch.enable_grad(), routing.enabled():
-        losses, aux, tape = _forward(loss, has_aux, randomness, args, dims, params, differentiated)
+        losses, aux, tape = _forward(loss, has_aux, randomness, args, dims, params, differentiated, traced)
         _backward(losses, tape, params)
     with torch.no_grad(), _autocast_off(params):  # Note [clipped_grad under autocast]
-        sums, norms = clip(params, tape.batch_size, max_norm)
+        sums, norms = clip(params, tape.batch_size, max_norm, in_place=not traced)
     # A Param and its uses refer to each other: cut that cycle, so that the
     # leaves (views of the caller's tensors, e.g. FSDP's unsharded
     # parameters) go with this call, not at some later garbage collection.
@@ -153,7 +162,7 @@ def _clipped_grad(loss: Callable[..., Any], max_norm: float, in_dims: Any, argnu
 
 def _forward(loss: Callable[..., Any], has_aux: bool, randomness: str, args: Tuple[Any, ...],
              dims: Tuple[Any, ...], params: List[Param],
-             differentiated: Dict[int, Any]) -> Tuple[Tensor, Any, Tape]:
+             differentiated: Dict[int, Any], traced: bool = False) -> Tuple[Tensor, Any, Tape]:
     """Every sample's loss, under vmap and the Interceptor, its aux, and the
     tape of the uses it recorded; ``differentiated``: the arguments by
     position, of ``params``' leaves."""
@@ -170,7 +179,7 @@ def _forward(loss: Callable[..., Any], has_aux: bool, randomness: str, args: Tup
         one = list(batched_args)
         for pos in sorted(differentiated):
             one.insert(pos, differentiated[pos])
-        with Interceptor(tape, INTERCEPTS):
+        with Interceptor(tape, INTERCEPTS, traced):
             out = loss(*one)
         _check_loss(out, has_aux)
         return out
@@ -241,7 +250,8 @@ def _in_dims(in_dims: Any, positions: Tuple[int, ...], n_args: int) -> Tuple[Any
     return dims
 
 
-def _params(args: Tuple[Any, ...], positions: Tuple[int, ...]) -> Tuple[List[Param], List[Any]]:
+def _params(args: Tuple[Any, ...], positions: Tuple[int, ...],
+            traced: bool = False) -> Tuple[List[Param], List[Any]]:
     """The differentiated tensors as Params, and each position's pytree spec."""
     params: List[Param] = []
     specs = []
@@ -262,7 +272,7 @@ def _params(args: Tuple[Any, ...], positions: Tuple[int, ...]) -> Tuple[List[Par
         with torch._C.DisableTorchFunctionSubclass():  # a plain tensor of any subclass
             values = [leaf.detach() for leaf in leaves]
         # See Note [Forward under vmap, backward outside it].
-        params += [Param(len(params) + k, functools.partial(namer, k), intercepted_leaf(value), value)
+        params += [Param(len(params) + k, functools.partial(namer, k), intercepted_leaf(value, traced), value)
                    for k, value in enumerate(values)]
         specs.append(spec)
     return params, specs

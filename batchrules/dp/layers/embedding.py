@@ -5,7 +5,7 @@ index it looked up: the sum of the output gradients of that index's
 positions (divided by the index's count in the sample with
 ``scale_grad_by_freq``; none for ``padding_idx``). So the norm needs no
 [V, D] table per sample: the rows are summed per (sample, index) pair
-(``torch.unique`` over ``sample * V + index``, then one ``index_add``), at
+(groups of equal ``sample * V + index`` keys, then one ``index_add``), at
 most B*T rows of D, and squared; a table looked up by several calls
 concatenates their rows. The clipped sum is one
 ``aten.embedding_dense_backward`` (the op's own gradient kernel) with c
@@ -67,9 +67,9 @@ class EmbeddingUse(Use):
         idx, g = self.indices[s], self.grad[s]
         if self.scale_grad_by_freq:
             sample = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1)
-            keys = sample * self.weight.value.shape[0] + idx
-            _, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
-            g = g / counts[inverse].unsqueeze(-1).to(g.dtype)
+            inverse = _key_groups((sample * self.weight.value.shape[0] + idx).flatten())
+            counts = torch.zeros_like(inverse).index_add_(0, inverse, torch.ones_like(inverse))
+            g = g / counts[inverse].view(idx.shape).unsqueeze(-1).to(g.dtype)
         if self.padding_idx is not None:
             g = g * (idx != self.padding_idx).unsqueeze(-1).to(g.dtype)
         return idx, g
@@ -123,6 +123,16 @@ class EmbeddingUse(Use):
         return batched(tape, out.view(*idx.shape, w.shape[1]))
 
 
+def _key_groups(keys: Tensor) -> Tensor:
+    """``torch.unique(keys, return_inverse=True)[1]`` (each key's rank among
+    the distinct keys) with no output of data-dependent size, so that a traced
+    step keeps static shapes: by a sort and a running count of new keys."""
+    ordered, order = keys.sort()
+    new = torch.ones_like(ordered, dtype=torch.bool)
+    new[1:] = ordered[1:] != ordered[:-1]
+    return torch.empty_like(keys).scatter_(0, order, new.cumsum(0) - 1)
+
+
 @register_clipping(EmbeddingUse.kind)
 class EmbeddingClipping(Clipping[EmbeddingUse]):
     """A table's norms from its rows summed per (sample, index); its clipped
@@ -134,12 +144,13 @@ class EmbeddingClipping(Clipping[EmbeddingUse]):
     def norms_sq(self, uses: List[EmbeddingUse], bias: Optional[Param]) -> Tensor:
         """Per-sample squared norms: rows summed per (sample, index), squared, summed per sample."""
         keys, g = _all_keys(uses)
-        unique, inverse = torch.unique(keys, return_inverse=True)
-        summed = g.new_zeros(unique.shape[0], g.shape[1]).index_add_(0, inverse, g)
+        inverse = _key_groups(keys)
+        summed = torch.zeros_like(g).index_add_(0, inverse, g)  # groups first, zero rows after
         per_row = sq_norms(summed, 1)
         vocab = uses[0].weight.value.shape[0]
         batch = uses[0].indices.shape[0]
-        return per_row.new_zeros(batch).index_add_(0, unique // vocab, per_row)
+        group_sample = torch.zeros_like(keys).scatter_(0, inverse, keys // vocab)
+        return per_row.new_zeros(batch).index_add_(0, group_sample, per_row)
 
     def clipped_sum(self, uses: List[EmbeddingUse], coef: Tensor, bias: Optional[Param],
                     owned: Callable[[Tensor], bool]) -> Tuple[Tensor, Optional[Tensor]]:

@@ -10,7 +10,7 @@ namespace {
 
 at::Tensor ghost_norms_sq_meta(const at::Tensor& rows, const at::Tensor& grads, int64_t biases) {
   check_ghost_norm_inputs(rows, grads, biases);
-  return at::empty({rows.size(0)}, rows.options());
+  return at::empty_symint({rows.sym_size(0)}, rows.options());
 }
 
 }  // namespace
