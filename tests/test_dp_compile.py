@@ -126,9 +126,10 @@ def test_one_graph_no_break() -> None:
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
 
 
-# GroupNorm's and cat's batching rules in torch read concrete sizes, and
-# the recurrent kernels run on them: those models compile once per batch size.
-@pytest.mark.parametrize("name", ["mlp", "sequence_linear_layer_norm", "conv1d", "encoder"])
+# The recurrent kernels read concrete sizes (as does torch's batching rule of
+# cat, e.g. transformers' caches): those models compile once per batch size.
+@pytest.mark.parametrize("name", ["mlp", "sequence_linear_layer_norm", "conv_group_norm", "conv1d",
+                                  "encoder"])
 def test_batch_sizes_share_one_dynamic_graph(name: str) -> None:
     """Poisson sampling varies the batch: a static graph for the first size,
     one dynamic graph for every later size, each equal to eager."""
@@ -189,3 +190,13 @@ def test_user_errors_raise_when_compiled() -> None:
     while root.__cause__ is not None or root.__context__ is not None:
         root = root.__cause__ or root.__context__  # type: ignore[assignment]
     assert isinstance(root, ValueError) and "scalar per sample" in str(root)
+
+
+def test_created_inside_the_compiled_function_is_refused() -> None:
+    model, params, inputs = _family("mlp")
+
+    def step(p: Dict[str, Tensor], x: Tensor, y: Tensor) -> Any:
+        return batchrules.clipped_grad(_loss(model), 0.5)(p, x, y)
+
+    with pytest.raises(Exception, match="cannot be created inside a compiled function"):
+        torch.compile(step, fullgraph=True, backend="aot_eager")(params, inputs(5), torch.randint(3, (5,)))

@@ -5,6 +5,8 @@ Each model runs through ``functional_call`` with the params from
 parameters were handled as are checked too, so a rule silently falling back
 to per-sample copies fails here.
 """
+import math
+from typing import Tuple
 
 import pytest
 import torch
@@ -167,13 +169,42 @@ def test_embedding_table_looked_up_twice(routing, kinds) -> None:
 
 @pytest.mark.parametrize("norm", ["layer", "group"])
 def test_norm_layers_materialized(routing, kinds, norm: str) -> None:
-    """LayerNorm has its rule (norm.py); GroupNorm gets per-sample copies."""
+    """LayerNorm and GroupNorm have their rules (layer_norm.py, group_norm.py):
+    per-sample affine gradients formed from the normalized input."""
     layer = nn.LayerNorm(6) if norm == "layer" else nn.GroupNorm(2, 6)
     model = nn.Sequential(nn.Linear(6, 6), layer, nn.Linear(6, 3))
     check_model(model, *data(6))
     assert kinds["1.weight"] == "materialized"
-    assert kinds["1.bias"] == ("bias" if norm == "layer" else "materialized")
+    assert kinds["1.bias"] == "bias"
     assert kinds["0.weight"] == "linear"
+
+
+@pytest.mark.parametrize("groups,spatial", [(1, ()), (2, (1,)), (4, (3, 2)), (2, (3, 2))],
+                         ids=["flat_one_group", "one_position", "group_per_channel", "image"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_group_norm_shapes(routing, groups: int, spatial: Tuple[int, ...], affine: bool) -> None:
+    """GroupNorm on [N, C], [N, C, 1] and images, groupings from one to one
+    per channel, against the loop (torch needs more than one value a group)."""
+    config = {"num_groups": groups, "num_channels": 4, "affine": affine}
+    width = 4 * math.prod(spatial)
+    model = nn.Sequential(nn.Linear(3, width), nn.Unflatten(1, (4, *spatial)), nn.GroupNorm(**config),
+                          nn.Flatten(), nn.Linear(width, 3))
+    check_model(model, *data(3))
+
+
+def test_group_norm_several_images_per_sample(routing, kinds) -> None:
+    """A sample of N=2 images: its per-sample gradient sums over both."""
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(16, 3))
+    x, y = data(2, 2, 4, 4)
+    check_model(model, x, y, lambda out, yi: F.cross_entropy(out.sum(0), yi), unsqueeze=False)
+    assert kinds["1.bias"] == "bias"
+
+
+def test_group_norm_takes_its_rule(routing, kinds) -> None:
+    """A conv trunk's GroupNorm: its own rule, not per-sample copies."""
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.Linear(16, 3))
+    check_model(model, *data(2, 4, 4))
+    assert (kinds["1.weight"], kinds["1.bias"]) == ("materialized", "bias")
 
 
 @pytest.mark.parametrize("config", [{"normalized_shape": (2, 3)}, {"bias": False},

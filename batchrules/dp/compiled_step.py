@@ -17,6 +17,10 @@ second size, and the body's shape-dependent choices (the cost model's
 strategies) become guards of that one graph, so a Poisson-sampled batch
 compiles once more at most when a choice flips, not once per size.
 
+The ``StepSpec`` (the loss, max_norm, ...) is a constant of the graph, which
+nonstrict_trace only takes from outside the compiled region: ``clipped_grad``
+is created outside the compiled function and called inside it.
+
 What the body closes over (the model's buffers, frozen parameters) is taken as
 a constant of the graph, as nonstrict_trace does: it must not change between
 calls; pass tensors that change as arguments.

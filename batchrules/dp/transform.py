@@ -97,6 +97,9 @@ def clipped_grad(loss: Callable[..., Any], max_norm: float, *, in_dims: Any = No
     """
     _check_max_norm(max_norm)
     _check_argnums(argnums)
+    if torch.compiler.is_compiling():  # the spec must exist before (Note [clipped_grad under torch.compile])
+        raise RuntimeError("clipped_grad(loss, max_norm, ...) cannot be created inside a compiled "
+                           "function: create it once outside, and call what it returns inside")
 
     spec = StepSpec(loss, float(max_norm), in_dims, argnums, has_aux, randomness)
 

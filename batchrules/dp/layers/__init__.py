@@ -6,6 +6,16 @@ that take a parameter (Note [Intercepting only the calls that take a
 parameter] in interceptor.py); the loss runs under vmap with routing's C++
 batching rules for aten's loss kernels."""
 from ..rule import INTERCEPTS
-from . import addmm, attention, conv, embedding, layer_norm, linear, recurrent, refused  # noqa: F401
+from . import (  # noqa: F401
+    addmm,
+    attention,
+    conv,
+    embedding,
+    group_norm,
+    layer_norm,
+    linear,
+    recurrent,
+    refused,
+)
 
 __all__ = ["INTERCEPTS"]
