@@ -4,10 +4,12 @@
   (``register_linear_polyfill``);
 - AOTAutograd decomposes the batchrules operators (``register_decompositions``,
   below);
+- the recurrence ops have fake kernels that keep a batch symbolic
+  (``recurrent_fakes.py``);
 - ``clipped_grad`` is one opaque call to Dynamo that AOTAutograd traces
   through (Note [clipped_grad under torch.compile] in dp/compiled_step.py).
 
-``install()`` (run by ``import batchrules``) registers the first two; the
+``install()`` (run by ``import batchrules``) registers the first three; the
 Dynamo parts wait for ``torch._dynamo``'s import (Note [Registering with
 optional torch subsystems lazily]), which is slow.
 
@@ -65,6 +67,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 from . import _C
 from ._post_import import when_imported
 from .activations import ACTIVATIONS
+from .recurrent_fakes import register_recurrence_fakes
 
 # Every batchrules operator: each has a CompositeExplicitAutograd kernel to trace.
 OPS: Tuple[str, ...] = ("batchrules::linear", "batchrules::linear_backward") + tuple(
@@ -75,6 +78,7 @@ def install() -> None:
     """The compile hooks of ``import batchrules``: the decompositions now, the
     linear polyfill once ``torch._dynamo`` is imported."""
     register_decompositions()
+    register_recurrence_fakes()
     when_imported("torch._dynamo", register_linear_polyfill)
 
 

@@ -126,10 +126,7 @@ def test_one_graph_no_break() -> None:
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
 
 
-# The recurrent kernels read concrete sizes (as does torch's batching rule of
-# cat, e.g. transformers' caches): those models compile once per batch size.
-@pytest.mark.parametrize("name", ["mlp", "sequence_linear_layer_norm", "conv_group_norm", "conv1d",
-                                  "encoder"])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_batch_sizes_share_one_dynamic_graph(name: str) -> None:
     """Poisson sampling varies the batch: a static graph for the first size,
     one dynamic graph for every later size, each equal to eager."""

@@ -15,11 +15,11 @@ scaling of output gradients whose storages cannot be told apart while traced.
 Batch sizes: Dynamo's automatic dynamic shapes make the batch symbolic at the
 second size, and the body's shape-dependent choices (the cost model's
 strategies) become guards of that one graph, so a Poisson-sampled batch
-compiles once more at most when a choice flips, not once per size. Kernels
-that read concrete sizes specialize it: the recurrent rule's
-(``batchrules::rnn_recurrence`` runs its C++ kernel on FakeTensors) and torch's
-batching rule of ``cat`` (transformers' caches: ``use_cache=False``); such a
-model compiles once per batch size.
+compiles once more at most when a choice flips, not once per size. A kernel
+that reads concrete sizes specializes it (the recurrence ops have fake kernels
+for that: recurrent_fakes.py); torch's batching rule of ``cat`` does
+(transformers' caches: pass ``use_cache=False``), and such a model compiles
+once per batch size.
 
 The ``StepSpec`` (the loss, max_norm, ...) is a constant of the graph, which
 nonstrict_trace only takes from outside the compiled region: ``clipped_grad``

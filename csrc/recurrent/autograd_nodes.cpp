@@ -48,7 +48,8 @@ variable_list RnnRecurrenceBackward0::apply(variable_list&& grads) {
       maybe_defined(c0), w_hh, maybe_defined(w_hr), output, workspace, mode_, reverse_);
   const bool grouped = w_hh.dim() == 3;
   const Tensor& d_hidden_gates = d_hidden.defined() ? d_hidden : d_input;
-  const bool empty = output.size(0) == 0;
+  // sym_size: a FakeTensor's symbolic batch stays symbolic (size() would specialize every dim)
+  const bool empty = output.sym_size(0) == 0;
   result[0] = d_input;
   result[1] = d_h0;
   result[2] = d_c0;
@@ -60,8 +61,8 @@ variable_list RnnRecurrenceBackward0::apply(variable_list&& grads) {
     result[4] = d_hidden_gates.sum(grouped ? at::IntArrayRef{0, 2} : at::IntArrayRef{0, 1});
   }
   if (w_hr.defined() && task_should_compute_output(5)) {
-    const int64_t H = w_hr.size(-1);
-    const Tensor h_raw = workspace.narrow(-1, 5 * H, H);
+    const c10::SymInt H = w_hr.sym_size(-1);
+    const Tensor h_raw = workspace.narrow_symint(-1, 5 * H, H);
     result[5] = empty ? at::zeros_like(w_hr) : weight_grad(d_projected, h_raw, grouped);
   }
   return result;

@@ -29,8 +29,8 @@ Tensor tanh_of(const Tensor& t) {
 }
 
 Tensor previous_states(const Tensor& initial, const Tensor& seq, bool reverse) {
-  const int64_t T = seq.size(0);
-  const Tensor rest = seq.narrow(0, reverse ? 1 : 0, T - 1);
+  const c10::SymInt T = seq.sym_size(0);
+  const Tensor rest = seq.narrow_symint(0, reverse ? 1 : 0, T - 1);
   return reverse ? at::cat({rest, initial.unsqueeze(0)}) : at::cat({initial.unsqueeze(0), rest});
 }
 
