@@ -203,7 +203,7 @@ def test_dp_rows_match_their_references_and_evaluate_their_targets(tmp_path: Pat
     assert [f"{c['scenario']}/{c['size']}" for c in record["cases"]] == list(DP_SMOKE)
     missing = opacus_missing_reason()
     for case in record["cases"]:
-        expected = {"stock", "batchrules", "clipped_grad", "nonprivate", *OPACUS_DP}
+        expected = {"stock", "batchrules", "clipped_grad", "nonprivate", "nonprivate_grad", *OPACUS_DP}
         assert case["variants"].keys() == expected | ({"limit"} if case["scenario"] == "dp_mlp" else set())
         for name, v in case["variants"].items():
             assert v["error"] is None and v["skipped"] == (missing if name in OPACUS_DP else None), name

@@ -31,7 +31,7 @@ from .dp_step import (
     PEAK_MEMORY,
     clip_and_sum,
     clipped_grad_variant,
-    nonprivate_variant,
+    nonprivate_variants,
 )
 
 IMAGE_BATCH = 16
@@ -176,7 +176,7 @@ def vit_problem(device: torch.device) -> Problem:
                                           num_heads=4, num_classes=10), device)
 
 
-VARIANTS = ("stock", "clipped_grad", "nonprivate", "opacus_hooks", "opacus_ghost")
+VARIANTS = ("stock", "clipped_grad", "nonprivate", "nonprivate_grad", "opacus_hooks", "opacus_ghost")
 # A B = 64 row takes several minutes on 2 CPU cores (the float64 reference and
 # Opacus' per-sample vocab-sized gradients).
 LM_SIZES = (Size(), Size(batch=64))
@@ -248,7 +248,9 @@ def dp_setup(problem: Problem) -> CaseSetup:
     setup = CaseSetup([
         Variant("stock", vmap_clip, routing=False),
         clipped_grad_variant(clipped, params, *xs, y),
-        nonprivate_variant(summed_loss, params, lambda: _summed_reference(model, xs, y, criterion)),
+        *nonprivate_variants(summed_loss, params, lambda: criterion(model(xs), y),
+                             [p for p in model.parameters() if p.requires_grad],
+                             lambda: _summed_reference(model, xs, y, criterion)),
     ], reference=lambda: reference_of(model))
     return with_opacus(setup, ["opacus_hooks", "opacus_ghost"], lambda: [
         opacus_clip_variant(model, xs, y, criterion, MAX_NORM, reference_of),
