@@ -15,36 +15,32 @@ the batch size.
 """
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
-from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
-from ..tape import Param, Tape, tap, weight_for
+from ..rule import NOT_HANDLED, batched, bind, physical, register
+from ..tape import Tape, tap
+from .affine import AffineUse, affine_operands, affine_params
 
 _GROUP_NORM_ARGS = (("input", "num_groups", "weight", "bias", "eps"), (None, None, 1e-5))
 
 
 @register
 @dataclass(eq=False)
-class GroupNormUse(Use):
+class GroupNormUse(AffineUse):
     """``F.group_norm(x, G, w, b, eps)`` with ``w`` or ``b`` a parameter."""
 
     functions = (F.group_norm,)
 
-    weight: Optional[Param]
-    bias: Optional[Param]
     rows: Tensor  # [B, N, C, S]: the input, N rows a sample, S positions a channel
     edge: GradientEdge
     mean: Tensor  # [B, N, G, 1]: x_hat = (rows - mean) * rstd, per group of C/G channels
     rstd: Tensor
     grad: Tensor = field(init=False)  # [B, N, C, S]
-
-    def roles(self) -> Dict[Param, str]:
-        return {p: role for p, role in ((self.weight, "weight"), (self.bias, "bias")) if p is not None}
 
     def set_grad(self, grad: Tensor) -> None:
         self.grad = grad.reshape(self.rows.shape)
@@ -66,10 +62,9 @@ class GroupNormUse(Use):
         if bound is None:
             return NOT_HANDLED
         x, groups, w, b, eps = bound
-        weight, bias = tape.param(w), tape.param(b)
+        params = affine_params(tape, w, b)
         a = physical(tape, x)
-        if (a is None or a.dim() < 3 or (weight is None and bias is None)
-                or (w is not None and weight is None) or (b is not None and bias is None)
+        if (a is None or params is None or a.dim() < 3
                 or type(groups) is not int or groups <= 0 or a.shape[2] % groups != 0
                 or any(t is not None and (t.shape != (a.shape[2],) or t.dtype != a.dtype)
                        for t in (w, b))
@@ -78,12 +73,11 @@ class GroupNormUse(Use):
         batch, rows, channels = a.shape[:3]  # a sample is [N, C, *S], as F.group_norm reads it
         positions = math.prod(a.shape[3:])
         needs = a.requires_grad
-        w_op = None if w is None else weight_for(tape, w, needs)
-        b_op = None if b is None else b.detach() if w is not None else weight_for(tape, b, needs)
+        w_op, b_op = affine_operands(tape, w, b, needs)
         # A fresh output with a node (Note [Tapping an output that may later change in place]).
         out, mean, rstd = torch.native_group_norm(a.reshape(batch * rows, *a.shape[2:]), w_op, b_op,
                                                   batch * rows, channels, positions, groups, eps)
-        use = cls(weight, bias, a.detach().reshape(batch, rows, channels, positions), tap(out),
+        use = cls(*params, a.detach().reshape(batch, rows, channels, positions), tap(out),
                   mean.view(batch, rows, groups, 1), rstd.view(batch, rows, groups, 1))
         tape.record(use, (a,), "group norm")
         return batched(tape, out.view(a.shape))

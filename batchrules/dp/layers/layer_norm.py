@@ -32,29 +32,25 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
-from ..rule import NOT_HANDLED, Use, batched, bind, physical, register
-from ..tape import Param, Tape, tap, weight_for
+from ..rule import NOT_HANDLED, batched, bind, physical, register
+from ..tape import Tape, tap, weight_for
+from .affine import AffineUse, affine_operands, affine_params
 
 _LAYER_NORM_ARGS = (("input", "normalized_shape", "weight", "bias", "eps"), (None, None, 1e-5))
 
 
 @register
 @dataclass(eq=False)
-class LayerNormUse(Use):
+class LayerNormUse(AffineUse):
     """``F.layer_norm(x, shape, w, b, eps)`` with ``w`` or ``b`` a parameter."""
 
     functions = (F.layer_norm,)
 
-    weight: Optional[Param]
-    bias: Optional[Param]
     rows: Tensor  # [B, T, *shape], T rows per sample: the input, or x_hat where mean is None
     edge: GradientEdge
     mean: Optional[Tensor] = None  # [B, T, 1, ...]: with rstd, x_hat = (rows - mean) * rstd
     rstd: Optional[Tensor] = None
     grad: Tensor = field(init=False)  # [B, T, *shape]
-
-    def roles(self) -> Dict[Param, str]:
-        return {p: role for p, role in ((self.weight, "weight"), (self.bias, "bias")) if p is not None}
 
     def set_grad(self, grad: Tensor) -> None:
         # [B, *lead, *shape] -> [B, T, *shape]: merges the leading dims, a
@@ -80,11 +76,10 @@ class LayerNormUse(Use):
         if bound is None:
             return NOT_HANDLED
         x, shape, w, b, eps = bound
-        weight, bias = tape.param(w), tape.param(b)
+        params = affine_params(tape, w, b)
         a = physical(tape, x)
         shape = tuple(shape) if isinstance(shape, (list, tuple, torch.Size)) else (shape,)
-        if (a is None or (weight is None and bias is None) or (w is not None and weight is None)
-                or (b is not None and bias is None) or not all(type(d) is int for d in shape)
+        if (a is None or params is None or not all(type(d) is int for d in shape)
                 or tuple(a.shape[a.dim() - len(shape):]) != shape or a.dim() - 1 < len(shape)
                 or any(t is not None and (t.shape != shape or t.dtype != a.dtype)
                        for t in (w, b))):
@@ -100,15 +95,14 @@ class LayerNormUse(Use):
                 out = normalized * weight_for(tape, w, needs)
             else:
                 out = torch.addcmul(b.detach(), normalized, weight_for(tape, w, needs))
-            use = cls(weight, bias, normalized.detach().view(*lead, *shape), tap(out))
+            use = cls(*params, normalized.detach().view(*lead, *shape), tap(out))
             recorded: Tuple[Tensor, ...] = ()
         else:  # Note [LayerNorm's own kernel, x_hat from what its node saves]
-            w_op = None if w is None else weight_for(tape, w, needs)
-            b_op = None if b is None else b.detach() if w is not None else weight_for(tape, b, needs)
+            w_op, b_op = affine_operands(tape, w, b, needs)
             # A fresh output with a node (Note [Tapping an output that may later change in place]).
             out, mean, rstd = torch.native_layer_norm(a, list(shape), w_op, b_op, eps)
             ones = (1,) * len(shape)
-            use = cls(weight, bias, a.detach().reshape(*lead, *shape), tap(out),
+            use = cls(*params, a.detach().reshape(*lead, *shape), tap(out),
                       mean.view(*lead, *ones), rstd.view(*lead, *ones))
             recorded = (a,)
         tape.record(use, recorded, "layer norm")
