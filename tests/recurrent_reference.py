@@ -71,6 +71,19 @@ def operands(E: int, N: int, H: int, P: Optional[int] = None, bias: bool = True,
                 b_hh=r(E, G) if bias else None, w_hr=0.3 * r(E, P, H) if P != H else None)
 
 
+def one_gate(ops: Dict[str, Optional[Tensor]], hidden: int) -> Dict[str, Optional[Tensor]]:
+    """GRU ``operands`` cut to one gate of ``hidden``: an RNN's (modes 2, 3)."""
+    ops = dict(ops)
+    ops["input_gates"] = ops["input_gates"][..., :hidden].contiguous()
+    ops["w_hh"], ops["b_hh"] = ops["w_hh"][:, :hidden].contiguous(), ops["b_hh"][:, :hidden].contiguous()
+    return ops
+
+
+def sample_major(t: Tensor) -> Tensor:
+    """T,E,N,F with the same values, stored as E,N,T,F."""
+    return t.permute(1, 2, 0, 3).contiguous().permute(2, 0, 1, 3)
+
+
 def transposed_rows(t: Tensor) -> Tensor:
     """t with the same values and rows that are not contiguous."""
     return t.transpose(-1, -2).contiguous().transpose(-1, -2)

@@ -6,7 +6,7 @@ from typing import Any, Dict, Optional
 
 import pytest
 import torch
-from recurrent_reference import operands
+from recurrent_reference import one_gate, operands, sample_major
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -14,15 +14,10 @@ recurrence = torch.ops.batchrules.rnn_recurrence.default
 recurrence_backward = torch.ops.batchrules.rnn_recurrence_backward.default
 
 
-def sample_major(t: Tensor) -> Tensor:
-    return t.permute(1, 2, 0, 3).contiguous().permute(2, 0, 1, 3)
-
-
 def _config(mode: int, grouped: bool, projected: bool, layout: str, steps: int) -> Dict[str, Any]:
     ops = operands(2 if grouped else 1, 3, 4, P=3 if projected else None, mode=min(mode, 1), seed=1)
-    if mode > 1:  # one gate
-        ops["input_gates"] = ops["input_gates"][..., :4].contiguous()
-        ops["w_hh"], ops["b_hh"] = ops["w_hh"][:, :4].contiguous(), ops["b_hh"][:, :4].contiguous()
+    if mode > 1:
+        ops = one_gate(ops, 4)
     ops["input_gates"] = ops["input_gates"][:steps]
     if layout == "sample_major":
         ops["input_gates"] = sample_major(ops["input_gates"])

@@ -6,7 +6,7 @@ fused (float32) or not (float64); and clipped_grad's LSTM step makes no
 transposing copy of the gate gradients."""
 import pytest
 import torch
-from recurrent_reference import operands
+from recurrent_reference import one_gate, operands, sample_major
 from torch import nn
 from torch.func import functional_call
 from torch.profiler import profile
@@ -15,11 +15,6 @@ import batchrules
 
 recurrence = torch.ops.batchrules.rnn_recurrence.default
 MODES = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
-
-
-def sample_major(t: torch.Tensor) -> torch.Tensor:
-    """T,E,N,F with the same values, stored as E,N,T,F."""
-    return t.permute(1, 2, 0, 3).contiguous().permute(2, 0, 1, 3)
 
 
 def is_sample_major(t: torch.Tensor) -> bool:
@@ -31,9 +26,8 @@ def is_sample_major(t: torch.Tensor) -> bool:
 def test_sample_major_input_gates(mode: str, dtype: torch.dtype) -> None:
     m = MODES[mode]
     ops = operands(2, 3, 5, mode=min(m, 1), seed=4)
-    if m > 1:  # one gate
-        ops["input_gates"] = ops["input_gates"][..., :5].contiguous()
-        ops["w_hh"], ops["b_hh"] = ops["w_hh"][:, :5].contiguous(), ops["b_hh"][:, :5].contiguous()
+    if m > 1:
+        ops = one_gate(ops, 5)
     results = {}
     for layout in ("time-major", "sample-major"):
         leaves = {k: v.to(dtype).requires_grad_() for k, v in ops.items() if v is not None}
