@@ -1,5 +1,9 @@
 """The ghost norm kernel (``batchrules::ghost_norms_sq``, Note [The ghost norm
 kernel] in csrc/dp/ghost_norm/kernel.cpp) and where dp/cost.py uses it."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -39,15 +43,36 @@ def test_equals_the_materialized_norm_in_float64(batch, rows, in_f, out_f, biase
     torch.testing.assert_close(got, materialized(a, g, biases), rtol=1e-12, atol=1e-12)
 
 
-# float32 takes the 4 x 4 Gram blocks where the CPU has AVX-512 (Note [Gram blocks on
-# AVX-512]): rows in blocks and in remainders, features in 16-lane passes and tails.
+# float32 takes 4 x 4 Gram blocks where the CPU has AVX-512 or AVX2 (Note [Gram blocks] in
+# gram_blocks.cpp): rows in blocks and in remainders, features in 16- and 8-lane passes and tails.
+FLOAT32_SIZES = SIZES + [(2, 8, 160, 512), (3, 6, 48, 20), (2, 8, 7, 9), (3, 4, 8, 24)]
+
+
 @pytest.mark.parametrize("biases", [0, 2])
-@pytest.mark.parametrize("batch, rows, in_f, out_f", SIZES + [(2, 8, 160, 512), (3, 6, 48, 20)])
+@pytest.mark.parametrize("batch, rows, in_f, out_f", FLOAT32_SIZES)
 def test_float32_equals_the_materialized_norm(batch, rows, in_f, out_f, biases) -> None:
     a, g = operands(batch, rows, in_f, out_f, torch.float32, seed=2)
     got = ghost_norms_sq(a, g, biases)
     assert got.shape == (batch,) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), materialized(a, g, biases), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("widest", ["avx2", "rows"])
+def test_float32_on_the_narrower_kernels(widest) -> None:
+    """The same in a process held to AVX2's blocks or to the row kernel
+    (BATCHRULES_GRAM_BLOCKS): the kernels a CPU with AVX-512 would not run."""
+    check = (
+        "import torch, test_dp_ghost_norm as t\n"
+        "for batch, rows, in_f, out_f in t.FLOAT32_SIZES:\n"
+        "    for biases in (0, 2):\n"
+        "        a, g = t.operands(batch, rows, in_f, out_f, torch.float32, seed=2)\n"
+        "        torch.testing.assert_close(t.ghost_norms_sq(a, g, biases).double(),\n"
+        "                                   t.materialized(a, g, biases), rtol=1e-5, atol=1e-5)\n")
+    env = {**os.environ, "BATCHRULES_GRAM_BLOCKS": widest,
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_float32_is_as_accurate_as_the_bmm_formula() -> None:

@@ -17,8 +17,9 @@
 // bound by its loads and its horizontal sum. The Grams' products are summed
 // in double. It beats the two bmms up to 128 rows a sample, so dp/cost.py
 // calls it up to there.
-// Where AVX-512 is available float32 takes 4 x 4 blocks of rows instead
-// (Note [Gram blocks on AVX-512]).
+// Where the CPU has AVX-512, or AVX2 with FMA, float32 takes 4 x 4 blocks of
+// rows instead (Note [Gram blocks] in gram_blocks.cpp).
+#include "dp/ghost_norm/gram_blocks.h"
 #include "dp/ghost_norm/shape_checks.h"
 
 #include <ATen/ATen.h>
@@ -127,74 +128,16 @@ inline void gram_row(const double* x, int64_t t, int64_t n, double* out) {
   gram_row_double(x, t, n, out);
 }
 
-// Note [Gram blocks on AVX-512]
-// The row kernel above loads five vectors for four multiply-adds, and its
-// sixteen-lane sums are reduced one dot product at a time. Where AVX-512 is
-// available,
-// float32 Grams are formed in 4 x 4 blocks of rows instead: each pass over k
-// loads four rows of each side for sixteen multiply-adds into sixteen zmm
-// accumulators (of 32 registers; AVX2's 16 ymm could not hold them, so other
-// CPUs keep the row kernel), and each block's products are summed into the
-// norm as they come, with no Gram held: eight loads feed sixteen
-// multiply-adds. The diagonal blocks compute their upper triangles too (6 of
-// 16 products unused).
-using Float16 = float __attribute__((vector_size(64)));
-using Float8 = float __attribute__((vector_size(32)));
-using Float4 = float __attribute__((vector_size(16)));
-
-// The sum of v's lanes, by halves.
-inline float lane_total(const Float16& v) {
-  Float8 halves[2];
-  __builtin_memcpy(halves, &v, sizeof(v));
-  const Float8 eight = halves[0] + halves[1];
-  Float4 quarters[2];
-  __builtin_memcpy(quarters, &eight, sizeof(eight));
-  const Float4 four = quarters[0] + quarters[1];
-  return (four[0] + four[2]) + (four[1] + four[3]);
-}
-
-// out[4 i + l] = x_i . y_l for rows x_0..x_3 at x and y_0..y_3 at y (stride n).
-__attribute__((target("avx512f"))) void dots4x4_avx512(const float* __restrict x,
-                                                       const float* __restrict y, int64_t n,
-                                                       float* out) {
-  Float16 acc[16] = {};
-  int64_t k = 0;
-  for (; k + 16 <= n; k += 16) {
-    Float16 xs[4], ys[4];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      __builtin_memcpy(&xs[i], x + i * n + k, sizeof(Float16));
-      __builtin_memcpy(&ys[i], y + i * n + k, sizeof(Float16));
-    }
-#pragma GCC unroll 16
-    for (int m = 0; m < 16; ++m) {
-      acc[m] += xs[m / 4] * ys[m % 4];
-    }
-  }
-  for (int m = 0; m < 16; ++m) {
-    float sum = lane_total(acc[m]);
-    for (int64_t r = k; r < n; ++r) {
-      sum += x[(m / 4) * n + r] * y[(m % 4) * n + r];
-    }
-    out[m] = sum;
-  }
-}
-
-bool gram_blocks_run() {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  return avx512;
-}
-
-// The rows [0, blocked) of one float32 sample in 4 x 4 blocks (Note [Gram
-// blocks on AVX-512]; blocked a multiple of 4), adding to diagonal and
-// off_diagonal as sample_norm_sq does.
-void blocked_norm_sq(const float* a, const float* g, int64_t blocked, int64_t in, int64_t out,
-                     double biases, double& diagonal, double& off_diagonal) {
+// The rows [0, blocked) of one float32 sample in 4 x 4 blocks by `block`
+// (Note [Gram blocks] in gram_blocks.cpp; blocked a multiple of 4), adding to
+// diagonal and off_diagonal as sample_norm_sq does.
+void blocked_norm_sq(GramBlock block, const float* a, const float* g, int64_t blocked, int64_t in,
+                     int64_t out, double biases, double& diagonal, double& off_diagonal) {
   float ga[16], gg[16];
   for (int64_t tb = 0; tb < blocked; tb += 4) {
     for (int64_t sb = 0; sb <= tb; sb += 4) {
-      dots4x4_avx512(a + tb * in, a + sb * in, in, ga);
-      dots4x4_avx512(g + tb * out, g + sb * out, out, gg);
+      block(a + tb * in, a + sb * in, in, ga);
+      block(g + tb * out, g + sb * out, out, gg);
       for (int m = 0; m < 16; ++m) {
         const int64_t t = tb + m / 4, s = sb + m % 4;
         const double product = (static_cast<double>(ga[m]) + biases) * static_cast<double>(gg[m]);
@@ -217,9 +160,9 @@ double sample_norm_sq(const T* a, const T* g, int64_t rows, int64_t in, int64_t 
   double off_diagonal = 0;  // the pairs s < t, each standing for (s, t) and (t, s)
   int64_t blocked = 0;
   if constexpr (std::is_same_v<T, float>) {
-    if (gram_blocks_run()) {
+    if (const GramBlock block = gram_block_kernel()) {
       blocked = rows - rows % 4;
-      blocked_norm_sq(a, g, blocked, in, out, biases, diagonal, off_diagonal);
+      blocked_norm_sq(block, a, g, blocked, in, out, biases, diagonal, off_diagonal);
     }
   }
   for (int64_t t = blocked; t < rows; ++t) {
