@@ -4,7 +4,7 @@ Each function here wraps one internal of torch whose location or behaviour
 changed between releases; callers never reach into those internals directly.
 """
 import contextlib
-from typing import Callable, ContextManager, Iterator, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -21,6 +21,19 @@ def load_functorch_vmap_decompositions() -> None:
     from torch._functorch.vmap import lazy_load_decompositions
 
     lazy_load_decompositions()
+
+
+@contextlib.contextmanager
+def reparametrized(modules: Sequence[torch.nn.Module],
+                   states: Sequence[Dict[str, Tensor]]) -> Iterator[None]:
+    """Each module with its parameters and buffers replaced by its state's
+    tensors (by name), as ``torch.func.functional_call`` does, for the block."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    with contextlib.ExitStack() as stack:
+        for module, state in zip(modules, states):
+            stack.enter_context(_reparametrize_module(module, state, tie_weights=True))
+        yield
 
 
 def dispatch_has_kernel(qualified_name: str, dispatch_key: str) -> bool:

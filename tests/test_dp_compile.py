@@ -156,22 +156,6 @@ def test_aux_tuple_argnums_and_in_dims() -> None:
     assert_close_rel(got, clipped(weights, biases, x, y))
 
 
-def test_tensors_the_loss_closes_over_are_constants() -> None:
-    """A frozen weight and a buffer the loss reads (not arguments) are taken
-    as they are when compiled, as torch.compile takes globals."""
-    model, params, inputs = _family("mlp")
-    frozen = torch.randn(3, 3, dtype=torch.float64)
-
-    def loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
-        out = functional_call(model, p, (xi.unsqueeze(0),)) @ frozen
-        return F.cross_entropy(out, yi.unsqueeze(0))
-
-    clipped = batchrules.clipped_grad(loss, 0.5)
-    x, y = inputs(5), torch.randint(3, (5,))
-    got = torch.compile(clipped, fullgraph=True, backend="aot_eager")(params, x, y)
-    assert_close_rel(got, loop_clipped_grad(loss, 0.5, (params, x, y)))
-
-
 def test_user_errors_raise_when_compiled() -> None:
     """A loss that is not a scalar per sample: clipped_grad's ValueError is the
     root of the exception Dynamo raises (its traceback shows it)."""

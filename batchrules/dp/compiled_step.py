@@ -25,15 +25,33 @@ The ``StepSpec`` (the loss, max_norm, ...) is a constant of the graph, which
 nonstrict_trace only takes from outside the compiled region: ``clipped_grad``
 is created outside the compiled function and called inside it.
 
-What the body closes over (the model's buffers, frozen parameters) is taken as
-a constant of the graph, as nonstrict_trace does: it must not change between
-calls; pass tensors that change as arguments.
+Note [What the loss closes over]
+A tensor the body reads that is not among its arguments would be a constant
+of the graph, taken as it is at the first compile: Inductor then refuses it
+("Please convert all Tensors to FakeTensors first"), and a later change of it
+would go unseen. The model's frozen parameters and buffers are such tensors
+(a LoRA model's whole base), reached through ``functional_call(model, p, ...)``
+or a dict of them the loss closes over. So what the loss closes over is found
+when clipped_grad is created (``closed_over``: in its closure, the globals its
+code names, a partial's function and arguments, a bound method's object and
+its attributes, recursively through the user's functions): the modules, and the closure cells
+that hold tensors (alone or in lists, tuples, dicts). Under Dynamo the
+modules' parameters and buffers and the cells' contents are read where Dynamo
+lifts them as inputs of the graph and guards them, and passed in; the body
+runs with the modules reparametrized and the cells filled with them. A tensor
+held elsewhere (a global, an attribute of another object) stays a constant:
+aot_eager runs it, Inductor refuses it; pass it as an argument.
 """
-from typing import Any, Callable, Optional, Tuple, Union
+import contextlib
+import functools
+import types
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
+from torch import Tensor, nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
-from torch.utils._pytree import register_constant
+from torch.utils._pytree import register_constant, tree_leaves, tree_map
 
+from .._compat import reparametrized
 from .._post_import import when_imported
 
 ArgNums = Union[int, Tuple[int, ...]]
@@ -48,6 +66,9 @@ class StepSpec:
                  has_aux: bool, randomness: str) -> None:
         self.loss, self.max_norm, self.in_dims = loss, max_norm, in_dims
         self.argnums, self.has_aux, self.randomness = argnums, has_aux, randomness
+        # Note [What the loss closes over]
+        self.modules, self.cells = closed_over(loss)
+        self.slots = tuple(module_slots(m) for m in self.modules)
 
     # nonstrict_trace guards a constant with ==, and needs it defined.
     def __eq__(self, other: object) -> bool:
@@ -60,10 +81,96 @@ class StepSpec:
 register_constant(StepSpec)
 
 
-def _run_traced(spec: StepSpec, args: Tuple[Any, ...]) -> Any:
+_LIBRARIES = ("torch", "batchrules", "functools", "builtins")
+
+
+def closed_over(loss: Callable[..., Any]) -> Tuple[Tuple[nn.Module, ...], Tuple[Any, ...]]:
+    """The outermost modules ``loss`` closes over and the closure cells that
+    hold tensors (Note [What the loss closes over]), found as the Note says."""
+    modules: List[nn.Module] = []
+    cells: List[Any] = []
+    seen = set()
+
+    def visit(obj: Any) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, nn.Module):
+            modules.append(obj)
+        elif isinstance(obj, functools.partial):
+            for part in (obj.func, *obj.args, *obj.keywords.values()):
+                visit(part)
+        elif isinstance(obj, types.MethodType):
+            owner = obj.__self__
+            visit(owner)
+            if not isinstance(owner, nn.Module):  # the modules it holds
+                for value in getattr(owner, "__dict__", {}).values():
+                    visit(value)
+            visit(obj.__func__)
+        elif isinstance(obj, types.FunctionType) and \
+                (obj.__module__ or "").partition(".")[0] not in _LIBRARIES:
+            for cell in obj.__closure__ or ():
+                try:
+                    contents = cell.cell_contents
+                except ValueError:  # a cell not yet filled
+                    continue
+                if any(isinstance(leaf, Tensor) for leaf in tree_leaves(contents)):
+                    cells.append(cell)
+                visit(contents)
+            for name in obj.__code__.co_names:
+                if name in obj.__globals__:
+                    visit(obj.__globals__[name])
+
+    visit(loss)
+    inner = {id(m) for outer in modules for m in outer.modules() if m is not outer}
+    return tuple(m for m in modules if id(m) not in inner), tuple(cells)
+
+
+Slots = Tuple[Tuple[str, Dict[str, Optional[Tensor]]], ...]
+
+
+def module_slots(module: nn.Module) -> Slots:
+    """Where ``module`` keeps its tensors: each submodule's prefix with its
+    ``_parameters`` and its ``_buffers`` dict. Dynamo reads these dicts
+    without wrapping their modules, which it refuses for RNN, GRU and LSTM,
+    and guards their entries, so a parameter replaced later is seen."""
+    return tuple((f"{name}." if name else "", slots) for name, m in
+                 module.named_modules(remove_duplicate=False) for slots in (m._parameters, m._buffers))
+
+
+def _detached(tree: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
+
+
+def closed_over_values(spec: "StepSpec") -> Tuple[Tuple[Dict[str, Tensor], ...], Tuple[Any, ...]]:
+    """The modules' parameters and buffers by name and the cells' contents,
+    detached (the body differentiates its arguments only); read under Dynamo,
+    which makes their tensors inputs of the graph."""
+    states = tuple({prefix + name: t.detach() for prefix, slots in module for name, t in slots.items()
+                    if t is not None} for module in spec.slots)
+    return states, tuple(_detached(cell.cell_contents) for cell in spec.cells)
+
+
+@contextlib.contextmanager
+def _filled(cells: Tuple[Any, ...], contents: Tuple[Any, ...]) -> Iterator[None]:
+    """The closure cells holding ``contents`` for the block."""
+    before = [cell.cell_contents for cell in cells]
+    try:
+        for cell, value in zip(cells, contents):
+            cell.cell_contents = value
+        yield
+    finally:
+        for cell, value in zip(cells, before):
+            cell.cell_contents = value
+
+
+def _run_traced(spec: StepSpec, args: Tuple[Any, ...],
+                closed: Tuple[Tuple[Dict[str, Tensor], ...], Tuple[Any, ...]]) -> Any:
     from .transform import clipped_step  # transform.py imports this module
 
-    return clipped_step(spec, _thawed(args), traced=True)
+    states, contents = _thawed(closed)
+    with reparametrized(spec.modules, states), _filled(spec.cells, contents):
+        return clipped_step(spec, _thawed(args), traced=True)
 
 
 _entry: Optional[Callable[..., Any]] = None
@@ -80,7 +187,7 @@ when_imported("torch._dynamo", _register)
 def traced_clipped_grad(spec: StepSpec, args: Tuple[Any, ...]) -> Any:
     """clipped_grad's call while Dynamo traces (Note [clipped_grad under torch.compile])."""
     assert _entry is not None  # Dynamo is imported while it traces
-    return _entry(spec, args)
+    return _entry(spec, args, closed_over_values(spec))
 
 
 def _thawed(tree: Any) -> Any:
