@@ -27,12 +27,13 @@ def load_functorch_vmap_decompositions() -> None:
 def reparametrized(modules: Sequence[torch.nn.Module],
                    states: Sequence[Dict[str, Tensor]]) -> Iterator[None]:
     """Each module with its parameters and buffers replaced by its state's
-    tensors (by name), as ``torch.func.functional_call`` does, for the block."""
+    tensors (by name), as ``torch.func.functional_call`` does, for the block.
+    Tied names are each in the state (with one tensor), hence no tying."""
     from torch.nn.utils.stateless import _reparametrize_module
 
     with contextlib.ExitStack() as stack:
         for module, state in zip(modules, states):
-            stack.enter_context(_reparametrize_module(module, state, tie_weights=True))
+            stack.enter_context(_reparametrize_module(module, state, tie_weights=False))
         yield
 
 

@@ -76,6 +76,33 @@ def test_a_frozen_base_reached_through_functional_call(how: str) -> None:
     _assert_compiled_tracks_eager(batchrules.clipped_grad(loss, 0.5), _trained(model), change)
 
 
+class TiedFrozen(nn.Module):
+    """GPT-2's tie, frozen: the embedding's weight is the output projection's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mid, self.out = nn.Embedding(11, 6), nn.Linear(6, 6), nn.Linear(6, 11, bias=False)
+        self.out.weight = self.emb.weight
+        self.emb.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.mid(self.emb(x)).mean(1))
+
+
+def test_a_frozen_tied_weight() -> None:
+    torch.manual_seed(0)
+    model = TiedFrozen()
+
+    def loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        return F.cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    def change() -> None:
+        with torch.no_grad():
+            model.emb.weight.mul_(3)
+
+    _assert_compiled_tracks_eager(batchrules.clipped_grad(loss, 0.5), _trained(model), change)
+
+
 def test_a_dict_and_a_tensor_in_the_closure() -> None:
     """The bench's way: the frozen tensors as a dict the loss closes over, and
     a tensor of its own; rebinding the closure's variable is seen."""
