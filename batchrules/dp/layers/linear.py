@@ -160,7 +160,8 @@ def bias_grads(uses: List[LinearUse], g: Tensor) -> Tensor:
     once for its norm and its clipped sum (kept on the first use)."""
     first = uses[0]
     if first.grad_row_sum is None:
-        first.grad_row_sum = g.sum(1)
+        # one row a sample (an MLP): a copy, not a reduction (zero-filled, then added to)
+        first.grad_row_sum = g[:, 0].clone() if g.shape[1] == 1 else g.sum(1)
     return first.grad_row_sum
 
 
