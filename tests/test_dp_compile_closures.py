@@ -76,29 +76,32 @@ def test_a_frozen_base_reached_through_functional_call(how: str) -> None:
     _assert_compiled_tracks_eager(batchrules.clipped_grad(loss, 0.5), _trained(model), change)
 
 
-class TiedFrozen(nn.Module):
-    """GPT-2's tie, frozen: the embedding's weight is the output projection's."""
+class Tied(nn.Module):
+    """GPT-2's tie: the embedding's weight is the output projection's."""
 
-    def __init__(self) -> None:
+    def __init__(self, frozen: bool) -> None:
         super().__init__()
         self.emb, self.mid, self.out = nn.Embedding(11, 6), nn.Linear(6, 6), nn.Linear(6, 11, bias=False)
         self.out.weight = self.emb.weight
-        self.emb.requires_grad_(False)
+        self.emb.requires_grad_(not frozen)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.out(self.mid(self.emb(x)).mean(1))
 
 
-def test_a_frozen_tied_weight() -> None:
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_tied_weight(frozen: bool) -> None:
+    """Frozen (in the lifted state under both names) or trained (the loss's
+    argument under one name): the tie holds in the compiled step."""
     torch.manual_seed(0)
-    model = TiedFrozen()
+    model = Tied(frozen)
 
     def loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
         return F.cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
 
     def change() -> None:
         with torch.no_grad():
-            model.emb.weight.mul_(3)
+            (model.emb if frozen else model.mid).weight.mul_(3)
 
     _assert_compiled_tracks_eager(batchrules.clipped_grad(loss, 0.5), _trained(model), change)
 

@@ -139,16 +139,20 @@ def module_slots(module: nn.Module) -> Slots:
 
 
 def _detached(tree: Any) -> Any:
-    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
+    """``tree`` with its tensors detached, one tensor (a tied weight) to one
+    detached tensor, so that ties hold where the tensors are swapped in."""
+    once: Dict[int, Tensor] = {}
+    return tree_map(lambda t: once.setdefault(id(t), t.detach()) if isinstance(t, Tensor) else t,
+                    tree)
 
 
 def closed_over_values(spec: "StepSpec") -> Tuple[Tuple[Dict[str, Tensor], ...], Tuple[Any, ...]]:
-    """The modules' parameters and buffers by name and the cells' contents,
-    detached (the body differentiates its arguments only); read under Dynamo,
-    which makes their tensors inputs of the graph."""
-    states = tuple({prefix + name: t.detach() for prefix, slots in module for name, t in slots.items()
+    """The modules' parameters and buffers by name and the cells' contents;
+    read under Dynamo, which makes their tensors inputs of the graph (a tied
+    weight one input under each of its names)."""
+    states = tuple({prefix + name: t for prefix, slots in module for name, t in slots.items()
                     if t is not None} for module in spec.slots)
-    return states, tuple(_detached(cell.cell_contents) for cell in spec.cells)
+    return states, tuple(cell.cell_contents for cell in spec.cells)
 
 
 @contextlib.contextmanager
@@ -168,7 +172,8 @@ def _run_traced(spec: StepSpec, args: Tuple[Any, ...],
                 closed: Tuple[Tuple[Dict[str, Tensor], ...], Tuple[Any, ...]]) -> Any:
     from .transform import clipped_step  # transform.py imports this module
 
-    states, contents = _thawed(closed)
+    # detached here, where a tied weight is one tensor: the body differentiates its arguments only
+    states, contents = _detached(_thawed(closed))
     with reparametrized(spec.modules, states), _filled(spec.cells, contents):
         return clipped_step(spec, _thawed(args), traced=True)
 
