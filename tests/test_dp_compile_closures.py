@@ -162,11 +162,11 @@ def test_closed_over_finds_what_the_loss_reaches() -> None:
         return inner(x) * held["w"]
 
     def loss(p: Any) -> Any:
-        return GLOBAL_MODEL(helper(p)) + not_tensors["n"] + GLOBAL_MODEL[0](p)
+        return GLOBAL_MODEL(helper(p)) + not_tensors["n"] + GLOBAL_MODEL[0](p) * held["w"]
 
     modules, cells = closed_over(loss)
     assert modules == (GLOBAL_MODEL, inner) or modules == (inner, GLOBAL_MODEL)
-    assert [c.cell_contents for c in cells] == [held]
+    assert [c.cell_contents for c in cells] == [held]  # once: loss and helper share the cell
     assert closed_over(functools.partial(_global_loss, other))[0] == (other,)
     assert closed_over(Holder(other).loss)[0] == (other,)
     assert closed_over(F.cross_entropy) == ((), ())

@@ -31,16 +31,18 @@ of the graph, taken as it is at the first compile: Inductor then refuses it
 ("Please convert all Tensors to FakeTensors first"), and a later change of it
 would go unseen. The model's frozen parameters and buffers are such tensors
 (a LoRA model's whole base), reached through ``functional_call(model, p, ...)``
-or a dict of them the loss closes over. So what the loss closes over is found
-when clipped_grad is created (``closed_over``: in its closure, the globals its
-code names, a partial's function and arguments, a bound method's object and
-its attributes, recursively through the user's functions): the modules, and the closure cells
-that hold tensors (alone or in lists, tuples, dicts). Under Dynamo the
-modules' parameters and buffers and the cells' contents are read where Dynamo
-lifts them as inputs of the graph and guards them, and passed in; the body
-runs with the modules reparametrized and the cells filled with them. A tensor
-held elsewhere (a global, an attribute of another object) stays a constant:
-aot_eager runs it, Inductor refuses it; pass it as an argument.
+or a dict of them the loss closes over. So what the loss closes over is
+found when clipped_grad is created (``closed_over``: its closure, the globals
+its code names, a partial's function and arguments, a bound method's object
+and its attributes, recursively through the user's functions): the modules,
+and the closure cells that hold tensors (alone or in lists, tuples, dicts).
+Under Dynamo the modules' parameters and buffers and the cells' contents are
+read where Dynamo lifts them as inputs of the graph and guards them, and
+passed in; the body runs with the modules reparametrized and the cells
+filled with them (detached there, once per tensor, so that a tied weight
+stays tied). A tensor held elsewhere (a global, an attribute of another
+object) stays a constant: aot_eager runs it, Inductor refuses it; pass it as
+an argument.
 """
 import contextlib
 import functools
@@ -114,8 +116,10 @@ def closed_over(loss: Callable[..., Any]) -> Tuple[Tuple[nn.Module, ...], Tuple[
                     contents = cell.cell_contents
                 except ValueError:  # a cell not yet filled
                     continue
-                if any(isinstance(leaf, Tensor) for leaf in tree_leaves(contents)):
+                holds_tensor = any(isinstance(leaf, Tensor) for leaf in tree_leaves(contents))
+                if holds_tensor and id(cell) not in seen:  # closures of one scope share cells
                     cells.append(cell)
+                seen.add(id(cell))
                 visit(contents)
             for name in obj.__code__.co_names:
                 if name in obj.__globals__:
@@ -172,7 +176,7 @@ def _run_traced(spec: StepSpec, args: Tuple[Any, ...],
                 closed: Tuple[Tuple[Dict[str, Tensor], ...], Tuple[Any, ...]]) -> Any:
     from .transform import clipped_step  # transform.py imports this module
 
-    # detached here, where a tied weight is one tensor: the body differentiates its arguments only
+    # the body differentiates its arguments only
     states, contents = _detached(_thawed(closed))
     with reparametrized(spec.modules, states), _filled(spec.cells, contents):
         return clipped_step(spec, _thawed(args), traced=True)
