@@ -3,11 +3,13 @@ frozen parameters and buffers and the closure's tensors are inputs of the
 graph, so Inductor compiles them and later changes are seen (Note [What the
 loss closes over] in dp/compiled_step.py)."""
 import functools
+import types
 from typing import Any, Callable, Dict, Tuple
 
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import assert_close_rel
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -170,3 +172,21 @@ def test_closed_over_finds_what_the_loss_reaches() -> None:
     assert closed_over(functools.partial(_global_loss, other))[0] == (other,)
     assert closed_over(Holder(other).loss)[0] == (other,)
     assert closed_over(F.cross_entropy) == ((), ())
+
+
+def test_a_tensor_held_elsewhere_is_a_constant_and_warned_of() -> None:
+    """A tensor neither passed nor closed over (an object's attribute) stays a
+    constant of the graph: aot_eager runs it, and the user is told."""
+    torch.manual_seed(0)
+    model = Frozen()
+    holder = types.SimpleNamespace(mix=torch.randn(3, 3))
+
+    def loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        out = functional_call(model, p, (xi.unsqueeze(0),)) @ holder.mix
+        return F.cross_entropy(out, yi.unsqueeze(0))
+
+    clipped = batchrules.clipped_grad(loss, 0.5)
+    x, y = _batch()
+    with pytest.warns(UserWarning, match=r"reads a tensor it is not given \(shape \(3, 3\)"):
+        got = torch.compile(clipped, fullgraph=True, backend="aot_eager")(_trained(model), x, y)
+    assert_close_rel(got, clipped(_trained(model), x, y))

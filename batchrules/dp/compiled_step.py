@@ -41,8 +41,8 @@ read where Dynamo lifts them as inputs of the graph and guards them, and
 passed in; the body runs with the modules reparametrized and the cells
 filled with them (detached there, once per tensor, so that a tied weight
 stays tied). A tensor held elsewhere (a global, an attribute of another
-object) stays a constant: aot_eager runs it, Inductor refuses it; pass it as
-an argument.
+object) stays a constant: aot_eager runs it, Inductor refuses it, and the
+traced interception warns of it (interceptor.py); pass it as an argument.
 """
 import contextlib
 import functools

@@ -23,11 +23,14 @@ leaves are plain tensors and the Interceptor is reached through an
 by identity. That the mode sees every call costs only while tracing.
 """
 import threading
+import warnings
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from .._compat import current_transform_level, only_vmaps_above
 from .batched_forward import per_sample_call
@@ -96,10 +99,27 @@ class InterceptingMode(TorchFunctionMode):
     def __torch_function__(self, func: Callable, types: Any, args: Tuple[Any, ...] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
+        _warn_of_constants(func, args, kwargs)
         interceptor = self.interceptor
         if interceptor.holds_param(args) or interceptor.holds_param(kwargs.values()):
             return interceptor.handle(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _warn_of_constants(func: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    """Warns of a real tensor among a traced call's fake ones: one the loss
+    reads but is not given, a constant of the compiled graph (Note [What the
+    loss closes over] in compiled_step.py)."""
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+    fake = [is_fake(t) for t in tensors]
+    if any(fake) and not all(fake):
+        t = tensors[fake.index(False)]
+        warnings.warn(
+            f"clipped_grad under torch.compile: the loss reads a tensor it is not given (shape "
+            f"{tuple(t.shape)}, {t.dtype}, in {getattr(func, '__name__', func)}): the graph takes it "
+            "as a constant, as it is now, and Inductor refuses it (\"Please convert all Tensors to "
+            "FakeTensors first\"). Pass it as an argument, or hold it in the loss's closure or in a "
+            "module the loss closes over", stacklevel=2)
 
 
 class Interceptor:
