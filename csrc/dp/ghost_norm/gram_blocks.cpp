@@ -12,11 +12,12 @@
 //   multiply-adds into sixteen zmm accumulators (of 32 registers).
 // - AVX2: sixteen accumulators and the eight rows do not fit AVX2's sixteen
 //   ymm registers, so a block is two halves of 2 x 4 rows, eight
-//   accumulators each: six loads feed eight fused multiply-adds, and the
-//   eight sums of a half are reduced together (three rounds of hadd).
-//   target_clones' "avx2" does not imply FMA and ISO C++ does not contract
-//   a * b + c into one, so the row kernel's AVX2 clone multiplies and adds
-//   separately: these blocks run twice its multiply-adds a cycle.
+//   accumulators each (eight fused multiply-adds a pass of eight lanes, no
+//   spills), and the eight sums of a half are reduced together (three
+//   rounds of hadd). target_clones' "avx2" does not imply FMA and ISO C++
+//   does not contract a * b + c into one, so the row kernel's AVX2 clone
+//   multiplies and adds separately, two instructions where these blocks
+//   issue one.
 // The kernel is chosen once, at the first call. BATCHRULES_GRAM_BLOCKS=avx2
 // leaves AVX-512's blocks out, =rows the AVX2 ones too: the tests' way to
 // every kernel the CPU can run.
@@ -86,8 +87,8 @@ __attribute__((target("avx2,fma"))) inline __m256 lane_totals(const __m256* acc)
 
 // out[4 i + l] = x_i . y_l for x_0, x_1 and y_0..y_3 (stride n).
 __attribute__((target("avx2,fma"))) void dots2x4_avx2(const float* __restrict x,
-                                                     const float* __restrict y, int64_t n,
-                                                     float* out) {
+                                                      const float* __restrict y, int64_t n,
+                                                      float* out) {
   __m256 acc[8];
   for (int m = 0; m < 8; ++m) {
     acc[m] = _mm256_setzero_ps();
@@ -111,7 +112,7 @@ __attribute__((target("avx2,fma"))) void dots2x4_avx2(const float* __restrict x,
 }
 
 __attribute__((target("avx2,fma"))) void dots4x4_avx2(const float* x, const float* y, int64_t n,
-                                                     float* out) {
+                                                      float* out) {
   dots2x4_avx2(x, y, n, out);
   dots2x4_avx2(x + 2 * n, y, n, out + 8);
 }
