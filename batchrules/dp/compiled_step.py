@@ -40,9 +40,12 @@ Under Dynamo the modules' parameters and buffers and the cells' contents are
 read where Dynamo lifts them as inputs of the graph and guards them, and
 passed in; the body runs with the modules reparametrized and the cells
 filled with them (detached there, once per tensor, so that a tied weight
-stays tied). A tensor held elsewhere (a global, an attribute of another
-object) stays a constant: aot_eager runs it, Inductor refuses it, and the
-traced interception warns of it (interceptor.py); pass it as an argument.
+stays tied). The modules' tree is read at creation (``module_slots``): a
+submodule replaced afterwards is not seen by a graph already compiled, so
+create clipped_grad again after replacing one. A tensor held elsewhere (a
+global, an attribute of another object) stays a constant: aot_eager runs
+it, Inductor refuses it, and the traced interception warns of it
+(interceptor.py); pass it as an argument.
 """
 import contextlib
 import functools
