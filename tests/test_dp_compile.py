@@ -181,22 +181,3 @@ def test_created_inside_the_compiled_function_is_refused() -> None:
 
     with pytest.raises(Exception, match="cannot be created inside a compiled function"):
         torch.compile(step, fullgraph=True, backend="aot_eager")(params, inputs(5), torch.randint(3, (5,)))
-
-
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_engine_model_compiled_steps_exactly() -> None:
-    """torch.compile of the engine's PrivateModule: Dynamo breaks its graph at
-    each call's vmap, and the step stays exact (one graph it is not)."""
-    import test_dp_engine_models as engine
-
-    model, batch = engine.mlp_batch()
-    want, _, c = engine.loop_clipped_sum(model, batch, engine.cross_entropy)
-    private = engine.PrivateModule(model)
-    optimizer = engine.DPOptimizer(torch.optim.SGD(list(model.parameters()), lr=1.0), module=private,
-                                   noise_multiplier=0.0, max_grad_norm=c, expected_batch_size=6)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    (args, _, y) = batch
-    engine.cross_entropy(torch.compile(private, backend="aot_eager")(*args), y, {}).mean().backward()
-    optimizer.step()
-    engine.assert_moved_by({n: p.detach() - before[n] for n, p in model.named_parameters()},
-                           {n: -w / 6 for n, w in want.items()})

@@ -18,6 +18,9 @@ from torch import Tensor, nn
 
 from batchrules.dp.engine import DPOptimizer, PrivateModule
 
+# The engine eager, and its PrivateModule compiled (Note [The engine under torch.compile]).
+BACKENDS = pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+
 REL = 1e-9
 EPS = 1e-6  # the clipping's: coef = min(1, C / (norm + EPS))
 VOCAB, T = 50, 10
@@ -59,19 +62,22 @@ def loop_clipped_sum(model: nn.Module, batch: Batch, per_sample: Loss,
 
 def engine_step(model: nn.Module, batches: List[Batch], per_sample: Loss, max_norm: float,
                 expected_batch_size: int, reduction: str = "mean", noise: float = 0.0,
-                generator: Optional[torch.Generator] = None) -> Dict[str, Tensor]:
+                generator: Optional[torch.Generator] = None,
+                backend: Optional[str] = None) -> Dict[str, Tensor]:
     """One engine step with SGD(lr=1), a backward per batch: how each
-    parameter moved."""
+    parameter moved; with ``backend``, the PrivateModule compiled
+    (``fullgraph=True``)."""
     private = PrivateModule(model, loss_reduction=reduction)
     optimizer = DPOptimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
                                             lr=1.0),
                             module=private, noise_multiplier=noise, max_grad_norm=max_norm,
                             expected_batch_size=expected_batch_size, loss_reduction=reduction,
                             generator=generator)
+    forward = private if backend is None else torch.compile(private, fullgraph=True, backend=backend)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer.zero_grad()
     for args, kwargs, targets in batches:
-        losses = per_sample(private(*args, **kwargs), targets, kwargs)
+        losses = per_sample(forward(*args, **kwargs), targets, kwargs)
         (losses.mean() if reduction == "mean" else losses.sum()).backward()
     optimizer.step()
     return {n: p.detach() - before[n] for n, p in model.named_parameters()}
@@ -88,11 +94,12 @@ def assert_moved_by(moved: Dict[str, Tensor], want: Dict[str, Tensor]) -> None:
             assert not m.any(), f"{n} is frozen but moved"
 
 
-def check_exact(model: nn.Module, batch: Batch, per_sample: Loss, reduction: str = "mean") -> None:
+def check_exact(model: nn.Module, batch: Batch, per_sample: Loss, reduction: str = "mean",
+                backend: Optional[str] = None) -> None:
     want, norms, c = loop_clipped_sum(model, batch, per_sample)
     assert (norms > c + EPS).any() and (norms < c).any()  # some clipped, some not
     b = len(batch[2])
-    moved = engine_step(model, [batch], per_sample, c, b, reduction)
+    moved = engine_step(model, [batch], per_sample, c, b, reduction, backend=backend)
     divisor = b if reduction == "mean" else 1
     assert_moved_by(moved, {n: -w / divisor for n, w in want.items()})
 
@@ -134,19 +141,22 @@ def lm_batch(b: int = 6) -> Batch:
     return (), {"input_ids": ids, "attention_mask": padding_mask(b)}, ids
 
 
-def test_mlp() -> None:
-    check_exact(*mlp_batch(), cross_entropy)
+@BACKENDS
+def test_mlp(backend: Optional[str]) -> None:
+    check_exact(*mlp_batch(), cross_entropy, backend=backend)
 
 
-def test_mlp_sum_reduction() -> None:
-    check_exact(*mlp_batch(), cross_entropy, reduction="sum")
+@BACKENDS
+def test_mlp_sum_reduction(backend: Optional[str]) -> None:
+    check_exact(*mlp_batch(), cross_entropy, reduction="sum", backend=backend)
 
 
-def test_cnn_with_group_norm() -> None:
+@BACKENDS
+def test_cnn_with_group_norm(backend: Optional[str]) -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(),
                           nn.Linear(4 * 6 * 6, 3)).double()
     batch = ((torch.randn(6, 3, 8, 8, dtype=torch.float64),), {}, torch.randint(0, 3, (6,)))
-    check_exact(model, batch, cross_entropy)
+    check_exact(model, batch, cross_entropy, backend=backend)
 
 
 class LSTMClassifier(nn.Module):
@@ -161,18 +171,21 @@ class LSTMClassifier(nn.Module):
         return self.head(out[:, -1])
 
 
-def test_lstm_classifier() -> None:
+@BACKENDS
+def test_lstm_classifier(backend: Optional[str]) -> None:
     batch = ((torch.randint(0, VOCAB, (6, 7)),), {}, torch.randint(0, 3, (6,)))
-    check_exact(LSTMClassifier().double(), batch, cross_entropy)
+    check_exact(LSTMClassifier().double(), batch, cross_entropy, backend=backend)
 
 
 @pytest.mark.requires("transformers")
-def test_gpt2_with_padding() -> None:
-    check_exact(gpt2(), lm_batch(), token_loss)
+@BACKENDS
+def test_gpt2_with_padding(backend: Optional[str]) -> None:
+    check_exact(gpt2(), lm_batch(), token_loss, backend=backend)
 
 
 @pytest.mark.requires("transformers")
-def test_bert_classifier_with_padding() -> None:
+@BACKENDS
+def test_bert_classifier_with_padding(backend: Optional[str]) -> None:
     from transformers import BertConfig, BertForSequenceClassification
     config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2,
                         num_attention_heads=2, intermediate_size=32, max_position_embeddings=16,
@@ -181,17 +194,19 @@ def test_bert_classifier_with_padding() -> None:
     ids = torch.randint(0, VOCAB, (6, T))
     batch: Batch = ((), {"input_ids": ids, "attention_mask": padding_mask(6)},
                     torch.randint(0, 3, (6,)))
-    check_exact(model, batch, lambda out, y, kw: F.cross_entropy(out.logits, y, reduction="none"))
+    check_exact(model, batch, lambda out, y, kw: F.cross_entropy(out.logits, y, reduction="none"),
+                backend=backend)
 
 
 @pytest.mark.requires("transformers", "peft")
-def test_peft_lora_moves_only_adapters() -> None:
+@BACKENDS
+def test_peft_lora_moves_only_adapters(backend: Optional[str]) -> None:
     from peft import LoraConfig, get_peft_model
     model = get_peft_model(gpt2(), LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True,
                                               init_lora_weights=False))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
-    check_exact(model, lm_batch(), token_loss)  # frozen parameters checked unmoved
+    check_exact(model, lm_batch(), token_loss, backend=backend)  # frozen parameters checked unmoved
 
 
 # --- what the engine refuses or catches, before any update --------------------------------------

@@ -20,7 +20,10 @@ class Variant:
     (tensors, or a tuple/list/dict of them) in the order of the case's reference,
     under the batchrules routing state ``routing`` (None: irrelevant, left off).
     ``user_code``: ``fn`` is the user's own code (a plain Python function), which
-    gets a compiled twin (Note [Compiled twins]). ``reference``: this variant's own
+    gets a compiled twin (Note [Compiled twins]); ``compiled``: for a step
+    whose backward Dynamo cannot trace (``loss.backward()`` in the user's
+    loop), the twin itself given a backend, its model compiled as its user
+    compiles it. ``reference``: this variant's own
     float64 reference (None: the case's); ``rtol``: its own tolerance (None: the
     runner's; a step under bfloat16 autocast)."""
 
@@ -28,6 +31,7 @@ class Variant:
     fn: Callable[[], Any]
     routing: Optional[bool] = None
     user_code: bool = False
+    compiled: Optional[Callable[[Any], "Variant"]] = None
     reference: Optional[Callable[[], Any]] = None
     rtol: Optional[float] = None
 

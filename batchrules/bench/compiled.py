@@ -2,7 +2,9 @@
 
 Note [Compiled twins]
 A ``user_code`` variant's twin ``<name>_compiled`` is ``torch.compile(fn,
-fullgraph=True)`` (Inductor) of the same step under the same routing state.
+fullgraph=True)`` (Inductor) of the same step under the same routing state;
+a loop that calls ``loss.backward()`` compiles its model instead
+(``Variant.compiled``), with ``fullgraph=True`` too.
 Routing acts while the transforms are traced and Dynamo neither guards on it nor
 caches other than per code object, so each twin compiles a fresh copy of the
 step's code object (``fresh_function``): the stock and batchrules twins are two
@@ -48,6 +50,10 @@ def compiled_twin(variant: Variant, backend: Union[str, Callable[..., Any]] = "i
     """The twin of a user-code variant: its step under torch.compile (not compiled
     yet: the first call compiles, see ``compile_now``)."""
     name = twin_name(variant.name)
+    if variant.compiled is not None:
+        twin = variant.compiled(backend)
+        twin.name, twin.routing = name, variant.routing
+        return twin
     step = torch.compile(fresh_function(variant.fn, name), fullgraph=True, backend=backend)
     return Variant(name, step, routing=variant.routing)
 

@@ -132,6 +132,7 @@ def _prepare_twin(source: Variant, vr: VariantResult, reference: Any,
     vr.compiled = True
     try:
         twin = compiled_twin(source)
+        reference = reference if twin.reference is None else twin.reference()
         result, vr.compile_s = compile_now(twin, synchronizer(device))
     except Exception as exc:  # graph break, unsupported op, backend failure
         vr.not_compiled = compile_failure(exc)
@@ -165,7 +166,7 @@ def run_case(case: Case, device: torch.device, plan: TimingPlan, compiled: bool 
         if _prepare(v, vr, reference if v.reference is None else v.reference(), device):
             runnable.append(v)
     for v in setup.variants if compiled else []:
-        if v.user_code:
+        if v.user_code or v.compiled is not None:
             name = twin_name(v.name)
             vr = result.variants[name] = VariantResult(name)
             twin = _prepare_twin(v, vr, reference if v.reference is None else v.reference(), device)

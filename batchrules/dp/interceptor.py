@@ -151,7 +151,7 @@ class Interceptor:
     def handle(self, func: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if not torch.is_grad_enabled() or _is_metadata(func):
             return func(*args, **kwargs)
-        if self.tape.anchored:  # the engine's batched forward
+        if self.tape.batched:  # the engine's
             if current_transform_level() is not None:  # the model's own transform: its leaves escape
                 return func(*args, **kwargs)
             return per_sample_call(self.tape, self._at_level, func, args, kwargs)

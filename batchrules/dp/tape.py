@@ -94,11 +94,12 @@ class Tape:
     """Parameters by identity, the batch size and vmap level, recorded uses."""
 
     def __init__(self, params: List[Param], batch_size: int, level: int,
-                 anchored: bool = False) -> None:
+                 batched: bool = False, anchored: bool = False) -> None:
         self.params = params
         self.by_id: Dict[int, Param] = {id(p.leaf): p for p in params}
         self.batch_size = batch_size
         self.level = level  # the engine's: each call's own (batched_forward.py)
+        self.batched = batched  # the engine's batched forward (batched_forward.py)
         self.anchored = anchored  # Note [Anchored outputs]
         self.uses: List["Use"] = []
         self.versions: List[Tuple[Tensor, int, "Use", str]] = []

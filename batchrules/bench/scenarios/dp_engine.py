@@ -11,6 +11,9 @@ gradient it applied (clipped sums: ``loss_reduction="sum"``) and the norms.
 Targets: the engine <= 1.15x the non-private loop, >= 1.5x faster than Opacus
 (ghost, or hooks where ghost cannot run the model: GPT-2's tied embeddings),
 peak memory <= 1.2x the non-private loop's, and the first step (validation included) <= 2 steps.
+Compiled twins (``--compiled``): the same loops with the model compiled
+(``torch.compile(private, fullgraph=True)``, and the plain model for
+``nonprivate``): <= 1.1x the compiled non-private loop, faster than eager.
 """
 import functools
 from typing import Any, Callable, List, Sequence, Tuple
@@ -48,10 +51,23 @@ def _engine(model: nn.Module, validate: bool) -> Tuple[PrivateModule, DPOptimize
     return private, optimizer, trainable
 
 
-def engine_variants(model: nn.Module, xs: Tuple[Tensor, ...], y: Tensor,
-                    criterion: nn.Module) -> List[Variant]:
-    """The engine's step in the user's loop, and its first step (a fresh wrapper)."""
+def engine_variants(model: nn.Module, xs: Tuple[Tensor, ...], y: Tensor, criterion: nn.Module,
+                    grads_reference: Callable[[], List[Tensor]]) -> List[Variant]:
+    """The engine's step in the user's loop, its first step (a fresh wrapper),
+    and the step with the wrapper compiled (its twin: the norms stay in the
+    compiled backward, so it returns the gradients only)."""
     private, optimizer, trainable = _engine(model, validate=False)
+
+    def compiled(backend: Any) -> Variant:
+        twin, twin_optimizer, params = _engine(model, validate=False)
+        forward = torch.compile(twin, fullgraph=True, backend=backend)
+
+        def step() -> List[Any]:
+            twin_optimizer.zero_grad()
+            criterion(forward(xs), y).backward()
+            twin_optimizer.step()
+            return [p.grad for p in params]
+        return Variant("engine_compiled", step, reference=grads_reference)
 
     def step() -> List[Any]:
         optimizer.zero_grad()
@@ -68,7 +84,7 @@ def engine_variants(model: nn.Module, xs: Tuple[Tensor, ...], y: Tensor,
         assert fresh.per_sample_norms is not None
         return [*(p.grad for p in params), fresh.per_sample_norms]
 
-    return [Variant("engine", step), Variant("engine_first", first_step)]
+    return [Variant("engine", step, compiled=compiled), Variant("engine_first", first_step)]
 
 
 def nonprivate_variant(model: nn.Module, xs: Tuple[Tensor, ...], y: Tensor,
@@ -76,13 +92,20 @@ def nonprivate_variant(model: nn.Module, xs: Tuple[Tensor, ...], y: Tensor,
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=0.0)
 
-    def step() -> List[Any]:
-        optimizer.zero_grad()
-        criterion(model(xs), y).backward()
-        optimizer.step()
-        return [p.grad for p in trainable]
+    def loop(forward: Callable[..., Any]) -> Callable[[], List[Any]]:
+        def step() -> List[Any]:
+            optimizer.zero_grad()
+            criterion(forward(xs), y).backward()
+            optimizer.step()
+            return [p.grad for p in trainable]
+        return step
 
-    return Variant("nonprivate", step, reference=lambda: _summed_reference(model, xs, y, criterion))
+    def compiled(backend: Any) -> Variant:
+        return Variant("nonprivate_compiled",
+                       loop(torch.compile(model, fullgraph=True, backend=backend)))
+
+    return Variant("nonprivate", loop(model), compiled=compiled,
+                   reference=lambda: _summed_reference(model, xs, y, criterion))
 
 
 def engine_setup(problem: Problem) -> CaseSetup:
@@ -91,7 +114,8 @@ def engine_setup(problem: Problem) -> CaseSetup:
     def reference_of(m: nn.Module) -> List[Tensor]:
         return _loop_reference(m, xs, y, criterion)
 
-    setup = CaseSetup([*engine_variants(model, xs, y, criterion),
+    setup = CaseSetup([*engine_variants(model, xs, y, criterion,
+                                        lambda: reference_of(model)[:-1]),
                        nonprivate_variant(model, xs, y, criterion)],
                       reference=lambda: reference_of(model))
     return with_opacus(setup, ["opacus_hooks", "opacus_ghost"], lambda: [
@@ -131,7 +155,13 @@ def targets(near_nonprivate: bool, opacus: str = "opacus_ghost") -> Sequence[Tar
             PeakMemory("DP engine: peak memory <= 1.2x the non-private loop's (nonprivate / engine "
                        ">= 0.83)", "nonprivate", "engine", 1 / 1.2),
             Speedup("DP engine: first step, validation included, <= 2 steps (engine / engine_first "
-                    ">= 0.5)", "engine", "engine_first", 0.5)]
+                    ">= 0.5)", "engine", "engine_first", 0.5),
+            # compiled twins (--compiled, --full): the model compiled in the same loop
+            *([Speedup("DP engine compiled: <= 1.1x the compiled non-private loop "
+                       "(nonprivate_compiled / engine_compiled >= 0.91)", "nonprivate_compiled",
+                       "engine_compiled", 1 / 1.1)] if near_nonprivate else []),
+            Speedup("DP engine compiled: faster than eager (engine / engine_compiled >= 1)", "engine",
+                    "engine_compiled", 1.0)]
 
 
 def cases(mode: str) -> List[Case]:

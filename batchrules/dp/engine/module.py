@@ -20,6 +20,7 @@ from ..clipping import clip
 from ..interceptor import Interceptor, intercepted_leaf
 from ..layers import INTERCEPTS
 from ..tape import Param, Tape
+from .compiled_forward import ForwardSpec, make_sinks, traced_forward
 from .fsdp import fsdp_modules, hooks_set_aside, plain_forwards, reshard, unshard
 from .recording import Recording
 from .validation import FirstStep
@@ -57,7 +58,10 @@ class PrivateModule(nn.Module):
         refuse_batch_norm(self._batch_norms)
         self._module = module
         self.loss_reduction = loss_reduction
-        self.max_grad_norm: Optional[float] = None  # set by the DPOptimizer
+        self._max_grad_norm: Optional[float] = None
+        self._spec: Optional[ForwardSpec] = None  # See Note [The engine under torch.compile].
+        self._sinks: List[Tensor] = []
+        self._counter: Optional[Tensor] = None
         self._sums: Dict[nn.Parameter, Tensor] = {}
         self._backwards = 0
         self.per_sample_norms: Optional[Tensor] = None  # the last backward's, [B]
@@ -80,17 +84,41 @@ class PrivateModule(nn.Module):
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self._module.load_state_dict(*args, **kwargs)
 
+    @property
+    def max_grad_norm(self) -> Optional[float]:
+        """The clipping bound, set by the DPOptimizer."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        self._max_grad_norm = value
+        self._make_sinks()
+
+    def _make_sinks(self) -> None:
+        """The compiled forward's spec and sinks, for the parameters as they
+        are (Note [The engine under torch.compile] in compiled_forward.py)."""
+        if self._max_grad_norm is None:
+            return
+        named = self.trainable_parameters()
+        self._spec = ForwardSpec(self._module, tuple(n for n, _ in named), self._max_grad_norm,
+                                 self.loss_reduction)
+        self._sinks, self._counter = make_sinks([p for _, p in named])
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        out = super()._apply(fn, *args, **kwargs)
+        self._make_sinks()  # on the parameters' new device and dtype
+        return out
+
     def trainable_parameters(self) -> List[Tuple[str, nn.Parameter]]:
         """The parameters that require grad, by name (a tied one once)."""
         return [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and not self.fsdp_modules:
+            return self._traced_forward(args, kwargs)
         if not torch.is_grad_enabled() or not self.trainable_parameters():
             return self._module(*args, **kwargs)
-        if self.max_grad_norm is None:
-            raise RuntimeError("batchrules.dp: PrivateModule has no DPOptimizer: create one with "
-                               "DPOptimizer(optimizer, module=..., ...) or use "
-                               "PrivacyEngine.make_private")
+        self._check_optimizer()
         refuse_batch_norm(self._batch_norms)
         batch = batch_size(args, kwargs)
         owners = [p for _, p in self.trainable_parameters()]  # FSDP's sharded ones: the optimizer's
@@ -107,6 +135,27 @@ class PrivateModule(nn.Module):
                                    functools.partial(self._clip, owners))
         if self.first_step is not None and not self.first_step.started:
             self.first_step.watch(args, kwargs, out, batch)
+        return out
+
+    def _check_optimizer(self) -> None:
+        if self.max_grad_norm is None:
+            raise RuntimeError("batchrules.dp: PrivateModule has no DPOptimizer: create one with "
+                               "DPOptimizer(optimizer, module=..., ...) or use "
+                               "PrivacyEngine.make_private")
+
+    def _traced_forward(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """The forward while Dynamo traces (Note [The engine under torch.compile]).
+        The trainable parameters are the spec's, checked in the traced body:
+        Dynamo refuses to wrap an RNN module, as ``named_parameters`` would."""
+        spec, counter = self._spec, self._counter
+        if not torch.is_grad_enabled() or (spec is not None and not spec.names):
+            return self._module(*args, **kwargs)
+        self._check_optimizer()
+        assert spec is not None and counter is not None  # made with max_grad_norm
+        refuse_batch_norm(self._batch_norms)
+        out = traced_forward(spec, self._sinks, counter, args, kwargs)
+        if self.first_step is not None and not self.first_step.started:
+            self.first_step.watch_inputs(args, kwargs, batch_size(args, kwargs))
         return out
 
     def plain_forwards(self) -> Any:
@@ -140,6 +189,16 @@ class PrivateModule(nn.Module):
         """The clipped sums the backwards since the last call added up (a
         parameter no backward reached has none), and forgets them."""
         sums, self._sums = self._sums, {}
+        spec = self._spec
+        if spec is not None and any(s.grad is not None for s in self._sinks):
+            owners = dict(self.trainable_parameters())
+            for name, sink in zip(spec.names, self._sinks):
+                if sink.grad is not None and name in owners:
+                    p = owners[name]
+                    sums[p] = sums[p] + sink.grad if p in sums else sink.grad
+                sink.grad = None
+        if spec is not None and spec.names != tuple(n for n, _ in self.trainable_parameters()):
+            self._make_sinks()  # for the parameters as they are now
         return sums
 
     def take_backward_count(self) -> int:
@@ -147,6 +206,9 @@ class PrivateModule(nn.Module):
         optimizer's every step); FSDP's full parameters are freed by then."""
         self.reshard()  # a forward without a backward (an empty batch's) left them full
         count, self._backwards = self._backwards, 0
+        if self._counter is not None and self._counter.grad is not None:  # compiled backwards
+            count += int(self._counter.grad.item())
+            self._counter.grad = None
         return count
 
 
@@ -157,7 +219,7 @@ def recorded_forward(model: nn.Module, named: List[Tuple[str, nn.Parameter]], ar
     (Note [A batched forward, one vmap per call]); ``on_done`` after the
     backward (Note [The clipping runs at the end of the user's backward])."""
     params = leaves(named)
-    tape = Tape(params, batch, -1, anchored=True)
+    tape = Tape(params, batch, -1, batched=True, anchored=True)
     with Interceptor(tape, INTERCEPTS), routing.enabled():
         out = functional_call(model, {n: p.leaf for (n, _), p in zip(named, params)}, args,
                               kwargs, strict=False)

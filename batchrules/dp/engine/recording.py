@@ -25,6 +25,17 @@ from ..tape import Param, Tape
 from ..transform import _autocast_off
 
 
+def escaped_error(names: List[str]) -> RuntimeError:
+    """Parameters whose leaves received a gradient (Note [A batched forward,
+    one vmap per call])."""
+    return RuntimeError(
+        f"batchrules.dp: {', '.join(names)} reached the loss through a call that cannot be split "
+        "per sample (one with no argument holding the batch in dim 0, e.g. weight.t() or weight * "
+        "2 outside a layer call, or inside a torch.func transform), so its per-sample gradient "
+        "norm is unknown. Apply parameters through calls that take the batch (F.linear(x, w) "
+        "rather than x @ w.t())")
+
+
 class Recording:
     """A forward's tape and parameters; ``on_done(self)`` after its backward."""
 
@@ -69,12 +80,7 @@ class Recording:
         self.done = True
         escaped = [p.name for p in self.params if p.leaf.grad is not None]
         if escaped:
-            raise RuntimeError(
-                f"batchrules.dp: {', '.join(escaped)} reached the loss through a call that cannot "
-                "be split per sample (one with no argument holding the batch in dim 0, e.g. "
-                "weight.t() or weight * 2 outside a layer call, or inside a torch.func transform), "
-                "so its per-sample gradient norm is unknown. Apply parameters through calls that "
-                "take the batch (F.linear(x, w) rather than x @ w.t())")
+            raise escaped_error(escaped)
         self.tape.check_inputs_unchanged()
         self.tape.take_grads([self.grads.pop(i, None) for i in range(len(self.tape.uses))])
         for p in self.params:

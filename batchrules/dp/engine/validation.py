@@ -13,7 +13,10 @@ agree. Both runs are in eval mode (dropout off: the masks of a batch and of a
 single sample differ) with the random state restored after, so that the
 check changes neither the training nor its random stream. A model whose
 outputs hold no batched tensor that requires grad cannot be checked: a
-warning says so. ``validate=False`` skips the check.
+warning says so. A compiled forward (Note [The engine under torch.compile] in
+compiled_forward.py) keeps its inputs but cannot hook its outputs: the
+cotangents are then drawn at random, which checks the same. ``validate=False``
+skips the check.
 """
 import contextlib
 import warnings
@@ -38,6 +41,7 @@ class FirstStep:
         self.inputs: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None
         self.batch = 0
         self.cotangents: Dict[int, Tensor] = {}  # output leaf index -> its gradient
+        self.drawn = False  # the cotangents are drawn at random (a compiled forward's)
 
     def watch(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, batch: int) -> None:
         """Keeps the first forward's inputs and, through hooks, its outputs' gradients."""
@@ -45,6 +49,11 @@ class FirstStep:
         for i, t in enumerate(tree_flatten(out)[0]):
             if _batched(t, batch) and t.requires_grad:
                 t.register_hook(self._keeper(i))
+
+    def watch_inputs(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], batch: int) -> None:
+        """Keeps the first compiled forward's inputs; the cotangents are
+        then drawn at random (Note [Validating the batched forward])."""
+        self.started, self.inputs, self.batch, self.drawn = True, (args, kwargs), batch, True
 
     def _keeper(self, i: int) -> Any:
         def keep(grad: Tensor) -> None:
@@ -57,23 +66,27 @@ class FirstStep:
     def check(self, module: Any) -> None:
         """Raises, naming the parameters, where the norms disagree."""
         self.done = True
-        inputs, cotangents, batch = self.inputs, self.cotangents, self.batch
-        self.inputs, self.cotangents = None, {}
+        inputs, batch = self.inputs, self.batch
+        self.inputs = None
         if batch < 2:
-            return
-        if not cotangents:
-            warnings.warn("batchrules.dp: the first-step validation could not run: no batched "
-                          "output of the model received a gradient (a loss computed inside the "
-                          "model?); its batched forward is unchecked", stacklevel=3)
             return
         assert inputs is not None
         picked = torch.tensor([0, batch - 1])
+        # the picked samples' cotangents, [2, ...]; drawn after the batched forward
+        cotangents = {i: c[picked.to(c.device)] for i, c in self.cotangents.items()}
+        self.cotangents = {}
+        if not cotangents and not self.drawn:
+            _warn_unchecked()
+            return
         model: nn.Module = module._module
         with module.plain_forwards(), _quiet(model, [p for _, p in module.trainable_parameters()]):
             named = module.trainable_parameters()  # FSDP's full ones in the context
-            both = _engine_norms(model, named, _rows(inputs, picked, batch), cotangents, picked)
+            both = _engine_norms(model, named, _rows(inputs, picked, batch), cotangents)
+            if not cotangents:
+                _warn_unchecked()
+                return
             alone = [_plain_norms(model, named, _rows(inputs, picked[j:j + 1], batch),
-                                  cotangents, picked[j:j + 1]) for j in range(2)]
+                                  cotangents, j) for j in range(2)]
         named = module.trainable_parameters()
         differ = []
         for k, (name, p) in enumerate(named):
@@ -93,6 +106,12 @@ class FirstStep:
                 "mixes samples of a batch (a statistic over dim 0, a BatchNorm), or holds the batch "
                 "elsewhere than dim 0 of its inputs; per-sample clipping would be wrong. No update "
                 "was made")
+
+
+def _warn_unchecked() -> None:
+    warnings.warn("batchrules.dp: the first-step validation could not run: no batched output of "
+                  "the model received a gradient (a loss computed inside the model?); its batched "
+                  "forward is unchecked", stacklevel=4)
 
 
 def _batched(t: Any, batch: int) -> bool:
@@ -119,37 +138,42 @@ def _quiet(model: nn.Module, params: List[nn.Parameter]) -> Iterator[None]:
 
 
 def _outputs(out: Any, cotangents: Dict[int, Tensor],
-             picked: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
+             rows: slice) -> Tuple[List[Tensor], List[Tensor]]:
     leaves = tree_flatten(out)[0]
     indices = sorted(cotangents)
-    return ([leaves[i] for i in indices],
-            [cotangents[i][picked.to(cotangents[i].device)] for i in indices])
+    return [leaves[i] for i in indices], [cotangents[i][rows] for i in indices]
 
 
 def _engine_norms(model: nn.Module, named: List[Tuple[str, nn.Parameter]], inputs: Any,
-                  cotangents: Dict[int, Tensor], picked: Tensor) -> List[Tensor]:
-    """Each parameter's per-sample gradient norms ``[2]`` through the engine."""
+                  cotangents: Dict[int, Tensor]) -> List[Tensor]:
+    """Each parameter's per-sample gradient norms ``[2]`` through the engine;
+    ``cotangents`` drawn here if empty (a compiled forward's)."""
     from .module import recorded_forward  # module.py imports this file
 
     norms: List[Tensor] = []
 
     def done(recording: Recording) -> None:
         for p in recording.params:
-            norms.append(per_sample_grad(p, len(picked)).flatten(1).norm(dim=1))
+            norms.append(per_sample_grad(p, 2).flatten(1).norm(dim=1))
 
-    out = recorded_forward(model, named, inputs[0], inputs[1], len(picked), done)
-    outs, cots = _outputs(out, cotangents, picked)
+    out = recorded_forward(model, named, inputs[0], inputs[1], 2, done)
+    if not cotangents:
+        cotangents.update({i: torch.randn_like(t) for i, t in enumerate(tree_flatten(out)[0])
+                           if _batched(t, 2) and t.requires_grad and t.is_floating_point()})
+        if not cotangents:
+            return []
+    outs, cots = _outputs(out, cotangents, slice(None))
     torch.autograd.backward(outs, cots)
     if not norms:  # no use reached the outputs
-        return [torch.zeros(len(picked)) for _ in named]
+        return [torch.zeros(2) for _ in named]
     return norms
 
 
 def _plain_norms(model: nn.Module, named: List[Tuple[str, nn.Parameter]], inputs: Any,
-                 cotangents: Dict[int, Tensor], picked: Tensor) -> List[float]:
-    """Each parameter's gradient norm for one sample, through the plain model."""
+                 cotangents: Dict[int, Tensor], j: int) -> List[float]:
+    """Each parameter's gradient norm for sample ``j`` of the two, through the plain model."""
     leaves = {n: p.detach().requires_grad_() for n, p in named}
     out = functional_call(model, leaves, inputs[0], inputs[1], strict=False)
-    outs, cots = _outputs(out, cotangents, picked)
+    outs, cots = _outputs(out, cotangents, slice(j, j + 1))
     grads = torch.autograd.grad(outs, list(leaves.values()), cots, allow_unused=True)
     return [0.0 if g is None else float(g.norm()) for g in grads]

@@ -1,0 +1,226 @@
+"""The engine's ``PrivateModule`` inside ``torch.compile(fullgraph=True)``
+(Note [The engine under torch.compile]): one graph, Poisson-sized batches
+without a compile per size, Inductor equal to eager over several steps with
+noise, the engine's bookkeeping (gradient accumulation, skipped steps, empty
+batches, the first-step validation) and its errors. The compiled step is
+checked exactly against the per-sample loop on every model family in
+test_dp_engine_models.py (its ``compiled`` cases)."""
+import copy
+from typing import Any, Callable, List, Optional, Tuple
+
+import pytest
+import test_dp_engine_models as models
+import torch
+import torch._dynamo.testing
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from batchrules.dp.engine import DPOptimizer, PrivateModule
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+def _engine(model: nn.Module, *, max_norm: float = 0.5, noise: float = 0.0, seed: int = 0,
+            validate: bool = True, momentum: float = 0.0,
+            expected_batch_size: int = 6) -> Tuple[PrivateModule, DPOptimizer]:
+    private = PrivateModule(model, validate=validate)
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=momentum),
+                            module=private, noise_multiplier=noise, max_grad_norm=max_norm,
+                            expected_batch_size=expected_batch_size,
+                            generator=torch.Generator().manual_seed(seed))
+    return private, optimizer
+
+
+def _train(forward: Callable[..., Tensor], optimizer: DPOptimizer,
+           batches: List[Tuple[Tensor, Tensor]]) -> None:
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.cross_entropy(forward(x), y).backward()
+        optimizer.step()
+
+
+def _batches(sizes: Tuple[int, ...], dtype: torch.dtype = torch.float64) -> List[Tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(b, 5, generator=g, dtype=dtype), torch.randint(0, 3, (b,), generator=g))
+            for b in sizes]
+
+
+def _mlp(dtype: torch.dtype = torch.float64, dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Dropout(dropout), nn.LayerNorm(8),
+                         nn.Linear(8, 3)).to(dtype)
+
+
+def test_one_graph_no_break() -> None:
+    private, _ = _engine(_mlp())
+    x = torch.randn(6, 5, dtype=torch.float64)
+    explained = torch._dynamo.explain(private)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+
+
+def test_batch_sizes_share_one_dynamic_graph() -> None:
+    """Poisson sampling varies the batch: a graph for the first size (before
+    the validation has started), one dynamic graph for every later size;
+    every step equal to the eager engine's, dropout masks included (the
+    graph draws them as eager does)."""
+    sizes = (4, 5, 7, 3, 9, 6)
+    eager_model, compiled_model = _mlp(dropout=0.3), _mlp(dropout=0.3)
+    eager, eager_optimizer = _engine(eager_model)
+    private, optimizer = _engine(compiled_model)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    torch.manual_seed(5)
+    _train(torch.compile(private, fullgraph=True, backend=counter), optimizer, _batches(sizes))
+    torch.manual_seed(5)
+    _train(eager, eager_optimizer, _batches(sizes))
+    assert counter.frame_count == 2
+    for got, want in zip(compiled_model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["mlp", "lstm"])
+def test_inductor_equals_eager_over_steps_with_noise(family: str) -> None:
+    """float32, Inductor, SGD with momentum, noise from the same generator."""
+    build: Callable[[], nn.Module] = (lambda: _mlp(torch.float32)) if family == "mlp" else \
+        (lambda: models.LSTMClassifier())
+    torch.manual_seed(0)
+    eager_model = build()
+    compiled_model = copy.deepcopy(eager_model)
+    if family == "mlp":
+        batches = _batches((6, 6, 4), torch.float32)
+    else:
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randint(0, models.VOCAB, (b, 7), generator=g),
+                    torch.randint(0, 3, (b,), generator=g)) for b in (6, 6, 4)]
+    eager, eager_optimizer = _engine(eager_model, noise=0.3, momentum=0.9)
+    private, optimizer = _engine(compiled_model, noise=0.3, momentum=0.9)
+    _train(torch.compile(private, fullgraph=True), optimizer, batches)
+    _train(eager, eager_optimizer, batches)
+    for got, want in zip(compiled_model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_accumulation_and_skipped_steps() -> None:
+    """Two backwards then a step, and a logical batch in two pieces with the
+    first step skipped: each one batch of both."""
+    model, batch = models.mlp_batch(8)
+    want, _, c = models.loop_clipped_sum(model, batch, models.cross_entropy)
+    halves = [models.rows(batch, slice(0, 4)), models.rows(batch, slice(4, 8))]
+    moved = models.engine_step(copy.deepcopy(model), halves, models.cross_entropy, c, 4,
+                               backend="aot_eager")
+    models.assert_moved_by(moved, {n: -w / 8 for n, w in want.items()})
+
+    private, optimizer = _engine(model, max_norm=c, expected_batch_size=8)
+    optimizer.param_groups[0]["lr"] = 1.0
+    forward = torch.compile(private, fullgraph=True, backend="aot_eager")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for (args, _, y), skip in zip(halves, (True, False)):
+        optimizer.signal_skip_step(skip)
+        optimizer.zero_grad()
+        F.cross_entropy(forward(*args), y).backward()
+        optimizer.step()
+    moved = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+    models.assert_moved_by(moved, {n: -w / 8 for n, w in want.items()})
+
+
+def test_empty_batch_steps_with_noise_only() -> None:
+    model, _ = models.mlp_batch()
+    empty = ((torch.zeros(0, 5, dtype=torch.float64),), {}, torch.zeros(0, dtype=torch.long))
+    eager = models.engine_step(copy.deepcopy(model), [empty], lambda out, y, kw: out.sum(1), 0.5, 4,
+                               noise=2.0, generator=torch.Generator().manual_seed(3))
+    compiled = models.engine_step(model, [empty], lambda out, y, kw: out.sum(1), 0.5, 4, noise=2.0,
+                                  generator=torch.Generator().manual_seed(3), backend="aot_eager")
+    assert all(m.abs().sum() > 0 for m in compiled.values())
+    for n in eager:
+        torch.testing.assert_close(compiled[n], eager[n], rtol=0, atol=0)
+
+
+def test_mixing_model_caught_by_first_step_validation() -> None:
+    """The compiled forward keeps the first batch; the validation draws its
+    cotangents (Note [Validating the batched forward])."""
+    model = models.MixesSamples().double()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = ((torch.randn(6, 4, dtype=torch.float64),), {}, torch.randint(0, 2, (6,)))
+    with pytest.raises(RuntimeError, match=r"first-step validation.*first\.weight"):
+        models.engine_step(model, [batch], models.cross_entropy, 1.0, 6, backend="aot_eager")
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+class Escapes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(5, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.first.weight * 2)  # "* 2" has no argument of the batch
+
+
+def _root(exc: BaseException) -> BaseException:
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return exc
+
+
+def test_parameter_escaping_the_batch_is_reported() -> None:
+    private, _ = _engine(Escapes().double())
+    forward = torch.compile(private, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception) as raised:
+        forward(torch.randn(6, 5, dtype=torch.float64)).sum().backward()
+    root = _root(raised.value)
+    assert isinstance(root, RuntimeError) and "first.weight" in str(root) \
+        and "cannot be split per sample" in str(root)
+
+
+def test_trainable_parameters_changed_is_refused() -> None:
+    model = _mlp()
+    private, _ = _engine(model)
+    model[0].weight.requires_grad_(False)  # after the optimizer saw it
+    with pytest.raises(Exception) as raised:
+        torch.compile(private, fullgraph=True, backend="aot_eager")(torch.randn(6, 5, dtype=torch.float64))
+    assert "trainable parameters changed" in str(_root(raised.value))
+
+
+def test_moved_after_the_optimizer_follows() -> None:
+    """``.to()`` after the DPOptimizer: the sinks follow the parameters."""
+    model = _mlp(torch.float32)
+    private, optimizer = _engine(model, noise=0.0)
+    private.double()
+    eager_model = copy.deepcopy(model)
+    eager, eager_optimizer = _engine(eager_model, noise=0.0)
+    batches = _batches((6, 6))
+    _train(torch.compile(private, fullgraph=True, backend="aot_eager"), optimizer, batches)
+    _train(eager, eager_optimizer, batches)
+    for got, want in zip(model.parameters(), eager_model.parameters()):
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.requires("transformers")
+def test_transformers_cache_dropped_with_a_warning() -> None:
+    """GPT-2's key/value cache cannot leave the compiled call: dropped, said
+    once; with use_cache=False nothing is said and the logits are eager's."""
+    model = models.gpt2()
+    private, _ = _engine(model, validate=False)
+    _, kwargs, _ = models.lm_batch()
+    forward = torch.compile(private, fullgraph=True, backend="aot_eager")
+    with pytest.warns(UserWarning, match="drops its DynamicCache.*use_cache=False"):
+        out = forward(**kwargs)
+    assert out.past_key_values is None
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = model(**kwargs, use_cache=False).logits
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        got = forward(**kwargs, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_no_grad_and_frozen_models_run_the_plain_model() -> None:
+    model = _mlp()
+    private, _ = _engine(model)
+    x = torch.randn(3, 5, dtype=torch.float64)
+    forward = torch.compile(private, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(forward(x), model(x))
+    out: Optional[Any] = forward(x)
+    assert out is not None and out.requires_grad
