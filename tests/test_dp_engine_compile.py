@@ -99,6 +99,37 @@ def test_inductor_equals_eager_over_steps_with_noise(family: str) -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_make_private_with_poisson_batches() -> None:
+    """PrivacyEngine.make_private, then the model compiled, as an Opacus
+    user would: Poisson-sampled batches and noise, equal to eager, with the
+    same privacy spent."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from batchrules.dp import PrivacyEngine
+
+    data = TensorDataset(torch.randn(120, 5, dtype=torch.float64), torch.randint(0, 3, (120,)))
+
+    def train(backend: Optional[str]) -> Tuple[List[Tensor], float]:
+        model = _mlp()
+        engine = PrivacyEngine(accountant="rdp")
+        private, optimizer, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=12), noise_multiplier=1.0, max_grad_norm=1.0)
+        forward = private if backend is None else torch.compile(private, fullgraph=True,
+                                                                backend=backend)
+        torch.manual_seed(1)  # the sampling and the noise
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(forward(x), y).backward()
+            optimizer.step()
+        return [p.detach() for p in model.parameters()], engine.get_epsilon(1e-5)
+
+    (eager, eager_eps), (compiled, compiled_eps) = train(None), train("aot_eager")
+    assert compiled_eps == eager_eps
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_gradient_accumulation_and_skipped_steps() -> None:
     """Two backwards then a step, and a logical batch in two pieces with the
     first step skipped: each one batch of both."""

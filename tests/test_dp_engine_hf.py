@@ -7,7 +7,7 @@ the engine's step on that batch and ``-(1/E) sum_i clip_C(g_i)`` (E the
 expected logical batch size) against a float64 per-sample loop; a LoRA moves
 only its adapters; ``save_model`` writes the model itself."""
 import copy
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
@@ -76,7 +76,8 @@ MODELS = {"gpt2": (gpt2, 0, token_loss), "bert": (bert, 3, class_loss),
 
 def recording_trainer(tmp_path: Any, model: nn.Module, dataset: TokenDataset, steps: int,
                       physical: int = PHYSICAL, pieces: int = PIECES, seed: int = 42,
-                      save_steps: int = 0, bf16: bool = False, **dp: Any) -> Any:
+                      save_steps: int = 0, bf16: bool = False, compile_backend: Optional[str] = None,
+                      **dp: Any) -> Any:
     """A DPTrainer (SGD, lr 1, constant) that keeps the physical batches it trains on."""
     import transformers
 
@@ -94,7 +95,8 @@ def recording_trainer(tmp_path: Any, model: nn.Module, dataset: TokenDataset, st
         gradient_accumulation_steps=pieces, max_steps=steps, learning_rate=1.0, optim="sgd",
         weight_decay=0.0, lr_scheduler_type="constant", logging_steps=1, report_to=[],
         use_cpu=True, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        disable_tqdm=True, seed=seed, bf16=bf16)
+        disable_tqdm=True, seed=seed, bf16=bf16, torch_compile=compile_backend is not None,
+        torch_compile_backend=compile_backend)
     trainer = Recording(model=model, args=args, train_dataset=dataset, **dp)
     trainer.pieces = []
     return trainer
@@ -126,14 +128,15 @@ def test_trains_and_logs_epsilon(name: str, tmp_path: Any) -> None:
 
 @pytest.mark.parametrize("poisson", [True, False], ids=["poisson", "shuffled"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_zero_noise_step_is_the_engines(name: str, poisson: bool, tmp_path: Any) -> None:
+def test_zero_noise_step_is_the_engines(name: str, poisson: bool, tmp_path: Any,
+                                        compile_backend: Optional[str] = None) -> None:
     make, classes, loss = MODELS[name]
     dataset = TokenDataset(classes)
     model = make()
     _, _, c = loop_clipped_sum(model, dataset.batch(), loss)  # C: the dataset's median norm
     initial = copy.deepcopy(model)
     trainer = recording_trainer(tmp_path, model, dataset, 1, max_grad_norm=c, noise_multiplier=0.0,
-                                poisson_sampling=poisson)
+                                poisson_sampling=poisson, compile_backend=compile_backend)
     trainer.train()
     assert len(trainer.pieces) == PIECES
     if not poisson:
@@ -149,6 +152,16 @@ def test_zero_noise_step_is_the_engines(name: str, poisson: bool, tmp_path: Any)
     engine = engine_step(initial, [logical], loss, c, LOGICAL)
     for n, m in moved.items():
         torch.testing.assert_close(m, engine[n], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_torch_compile_compiles_the_engine(tmp_path: Any) -> None:
+    """``torch_compile=True``: the private model is compiled, and the step is
+    still the engine's."""
+    from torch._dynamo.utils import counters
+    counters.clear()
+    test_zero_noise_step_is_the_engines("gpt2", True, tmp_path, compile_backend="aot_eager")
+    assert counters["stats"]["unique_graphs"] > 0
 
 
 def test_empty_pieces_keep_the_divisor(tmp_path: Any) -> None:

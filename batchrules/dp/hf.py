@@ -59,6 +59,8 @@ class DPTrainer(transformers.Trainer):
         noise_generator: the noise's ``torch.Generator`` (default torch's).
         validate: the engine's first-step validation (engine/validation.py).
 
+    With ``torch_compile=True`` the private model is compiled (its clipping
+    in the compiled backward: Note [The engine under torch.compile]).
     One process on one device; no fp16 loss scaling. The logs get
     ``epsilon`` (``get_epsilon()``); ``save_model`` saves the model itself;
     checkpoints hold the accountant's history and the noise generator's state
@@ -90,6 +92,7 @@ class DPTrainer(transformers.Trainer):
         self.args.max_grad_norm = 0.0
         assert self.model is not None
         self.private_module = PrivateModule(self.model, validate=validate)
+        self._compiled: Optional[nn.Module] = None  # with torch_compile
         self.max_grad_norm = float(max_grad_norm)
         self.target_delta = target_delta
         self.poisson_sampling = poisson_sampling
@@ -176,9 +179,16 @@ class DPTrainer(transformers.Trainer):
 
     def _wrap_model(self, model: nn.Module, training: bool = True,
                     dataloader: Optional[DataLoader] = None) -> nn.Module:
-        if training:
+        if not training:
+            return super()._wrap_model(model, training, dataloader)
+        if not self.args.torch_compile:
             return self.private_module
-        return super()._wrap_model(model, training, dataloader)
+        if self._compiled is None:  # as the Trainer compiles a model, the engine's whole
+            self._compiled = torch.compile(self.private_module,  # type: ignore[assignment]
+                                           backend=self.args.torch_compile_backend or "inductor",
+                                           mode=self.args.torch_compile_mode)
+        assert self._compiled is not None
+        return self._compiled
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         return None  # the noised update is formed in the step, after the Trainer would measure it
