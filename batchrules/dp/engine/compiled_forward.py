@@ -20,7 +20,11 @@ takes as inputs. Autograd accumulates them in ``sink.grad``, across the
 backwards of a logical batch, and the ``DPOptimizer`` takes them from there:
 ``p.grad`` is left for the noised gradient it writes. A scalar sink whose
 gradient is 1 per backward counts the backwards. The sinks are made outside
-the compiled region (with the module, after ``.to()``, after each step).
+the compiled region: when the DPOptimizer is attached, after ``.to()``, and
+at a step after which the trainable parameters changed (a compiled forward
+meeting other trainable parameters than its sinks' raises). The first
+compiled forward keeps its inputs for the validation; the next one compiles
+again, once, as the validation has then started.
 
 The model's parameters and buffers are read from its modules' dicts where
 Dynamo lifts them as inputs of the graph, as for clipped_grad's loss (Note
