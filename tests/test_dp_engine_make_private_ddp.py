@@ -75,17 +75,20 @@ def assert_ranks_match_one_process(tmp_path, make_task: Callable[[], Any]) -> No
     assert not torch.equal(want["0.weight"], make_task()[0].state_dict()["0.weight"])
 
 
-def worker(rank: int, port: int, out_dir: str) -> None:
+def worker(rank: int, port: int, out_dir: str, backend: str = "") -> None:
     dp_sgd_ranks._init(rank, WORLD, port)
     model, data = task()
     engine = PrivacyEngine(accountant="rdp")
     private, optimizer, loader = make_private(engine, nn.parallel.DistributedDataParallel(model),
                                               data)
     assert optimizer.process_group is not None and optimizer.expected_batch_size == 10
+    if backend:  # the private model compiled (Note [The engine under torch.compile])
+        private = torch.compile(private, fullgraph=True, backend=backend)
     train_share(rank, engine, private, optimizer, loader, model.state_dict, out_dir)
     dp_sgd_ranks._finish()
 
 
-def test_ddp_make_private_matches_one_process(tmp_path) -> None:
-    spawn(worker, str(tmp_path))
+@pytest.mark.parametrize("backend", ["", "aot_eager"], ids=["eager", "compiled"])
+def test_ddp_make_private_matches_one_process(tmp_path, backend: str) -> None:
+    spawn(worker, str(tmp_path), backend)
     assert_ranks_match_one_process(tmp_path, task)
