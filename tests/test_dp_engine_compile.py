@@ -130,6 +130,27 @@ def test_make_private_with_poisson_batches() -> None:
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_autocast_equals_eager() -> None:
+    """Under bfloat16 autocast, the compiled steps are eager's (the same
+    bf16 ops, norms and sums in float32)."""
+    def train(backend: Optional[str]) -> List[Tensor]:
+        model = _mlp(torch.float32)
+        private, optimizer = _engine(model)
+        forward = private if backend is None else torch.compile(private, fullgraph=True,
+                                                                backend=backend)
+        for x, y in _batches((6, 6, 5), torch.float32):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", torch.bfloat16):
+                out = forward(x)
+            assert out.dtype == torch.bfloat16
+            F.cross_entropy(out.float(), y).backward()
+            optimizer.step()
+        return [p.detach() for p in model.parameters()]
+
+    for got, want in zip(train("aot_eager"), train(None)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_gradient_accumulation_and_skipped_steps() -> None:
     """Two backwards then a step, and a logical batch in two pieces with the
     first step skipped: each one batch of both."""
