@@ -27,15 +27,17 @@ def ks_distance(samples: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("secure", [False, True])
 def test_noise_is_gaussian_with_std(secure: bool) -> None:
-    """Kolmogorov-Smirnov against N(0, std^2) at a fixed seed, at level 1e-4:
-    a false alarm is negligible and a std wrong by 2% fails."""
+    """Kolmogorov-Smirnov against N(0, std^2), at level 1e-4: a false alarm
+    is negligible, and a std wrong by 5% fails whatever the draw (its
+    expected distance, 0.0115, is twice the critical one; at 2% it would be
+    below it, and the secure mode's unseeded draws then fail at random)."""
     torch.manual_seed(0)
     like = torch.zeros(400, 500, dtype=torch.float64)
     noise = gaussian_noise(like, 0.7, None, secure)
     assert noise.shape == like.shape and noise.dtype == like.dtype
     critical = math.sqrt(-math.log(1e-4 / 2) / (2 * like.numel()))
     assert ks_distance(noise / 0.7) < critical
-    assert ks_distance(noise / 0.7 / 1.02) > critical
+    assert ks_distance(noise / 0.7 / 1.05) > critical
 
 
 def test_generator_fixes_the_noise() -> None:
