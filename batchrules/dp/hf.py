@@ -24,7 +24,7 @@ accountant steps once per optimizer step with (noise_multiplier, q).
 """
 import math
 import os
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -184,10 +184,9 @@ class DPTrainer(transformers.Trainer):
         if not self.args.torch_compile:
             return self.private_module
         if self._compiled is None:  # as the Trainer compiles a model, the engine's whole
-            self._compiled = torch.compile(self.private_module,  # type: ignore[assignment]
-                                           backend=self.args.torch_compile_backend or "inductor",
-                                           mode=self.args.torch_compile_mode)
-        assert self._compiled is not None
+            self._compiled = cast(nn.Module, torch.compile(
+                self.private_module, backend=self.args.torch_compile_backend or "inductor",
+                mode=self.args.torch_compile_mode))
         return self._compiled
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:

@@ -51,6 +51,15 @@ def _engine(model: nn.Module, validate: bool) -> Tuple[PrivateModule, DPOptimize
     return private, optimizer, trainable
 
 
+def _user_step(forward: Callable[..., Any], optimizer: Any, xs: Tuple[Tensor, ...], y: Tensor,
+               criterion: nn.Module, params: List[nn.Parameter]) -> List[Any]:
+    """The user's loop body; the gradients the optimizer applied."""
+    optimizer.zero_grad()
+    criterion(forward(xs), y).backward()
+    optimizer.step()
+    return [p.grad for p in params]
+
+
 def engine_variants(model: nn.Module, xs: Tuple[Tensor, ...], y: Tensor, criterion: nn.Module,
                     grads_reference: Callable[[], List[Tensor]]) -> List[Variant]:
     """The engine's step in the user's loop, its first step (a fresh wrapper),
@@ -61,28 +70,20 @@ def engine_variants(model: nn.Module, xs: Tuple[Tensor, ...], y: Tensor, criteri
     def compiled(backend: Any) -> Variant:
         twin, twin_optimizer, params = _engine(model, validate=False)
         forward = torch.compile(twin, fullgraph=True, backend=backend)
-
-        def step() -> List[Any]:
-            twin_optimizer.zero_grad()
-            criterion(forward(xs), y).backward()
-            twin_optimizer.step()
-            return [p.grad for p in params]
-        return Variant("engine_compiled", step, reference=grads_reference)
+        return Variant("engine_compiled",
+                       lambda: _user_step(forward, twin_optimizer, xs, y, criterion, params),
+                       reference=grads_reference)
 
     def step() -> List[Any]:
-        optimizer.zero_grad()
-        criterion(private(xs), y).backward()
-        optimizer.step()
+        grads = _user_step(private, optimizer, xs, y, criterion, trainable)
         assert private.per_sample_norms is not None
-        return [*(p.grad for p in trainable), private.per_sample_norms]
+        return [*grads, private.per_sample_norms]
 
     def first_step() -> List[Any]:
         fresh, first, params = _engine(model, validate=True)
-        first.zero_grad()
-        criterion(fresh(xs), y).backward()
-        first.step()
+        grads = _user_step(fresh, first, xs, y, criterion, params)
         assert fresh.per_sample_norms is not None
-        return [*(p.grad for p in params), fresh.per_sample_norms]
+        return [*grads, fresh.per_sample_norms]
 
     return [Variant("engine", step, compiled=compiled), Variant("engine_first", first_step)]
 
@@ -92,20 +93,13 @@ def nonprivate_variant(model: nn.Module, xs: Tuple[Tensor, ...], y: Tensor,
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=0.0)
 
-    def loop(forward: Callable[..., Any]) -> Callable[[], List[Any]]:
-        def step() -> List[Any]:
-            optimizer.zero_grad()
-            criterion(forward(xs), y).backward()
-            optimizer.step()
-            return [p.grad for p in trainable]
-        return step
-
     def compiled(backend: Any) -> Variant:
+        forward = torch.compile(model, fullgraph=True, backend=backend)
         return Variant("nonprivate_compiled",
-                       loop(torch.compile(model, fullgraph=True, backend=backend)))
+                       lambda: _user_step(forward, optimizer, xs, y, criterion, trainable))
 
-    return Variant("nonprivate", loop(model), compiled=compiled,
-                   reference=lambda: _summed_reference(model, xs, y, criterion))
+    return Variant("nonprivate", lambda: _user_step(model, optimizer, xs, y, criterion, trainable),
+                   compiled=compiled, reference=lambda: _summed_reference(model, xs, y, criterion))
 
 
 def engine_setup(problem: Problem) -> CaseSetup:

@@ -189,15 +189,15 @@ class PrivateModule(nn.Module):
         """The clipped sums the backwards since the last call added up (a
         parameter no backward reached has none), and forgets them."""
         sums, self._sums = self._sums, {}
-        spec = self._spec
-        if spec is not None and any(s.grad is not None for s in self._sinks):
-            owners = dict(self.trainable_parameters())
-            for name, sink in zip(spec.names, self._sinks):
-                if sink.grad is not None and name in owners:
-                    p = owners[name]
-                    sums[p] = sums[p] + sink.grad if p in sums else sink.grad
-                sink.grad = None
-        if spec is not None and spec.names != tuple(n for n, _ in self.trainable_parameters()):
+        if self._spec is None:
+            return sums
+        owners = dict(self.trainable_parameters())
+        for name, sink in zip(self._spec.names, self._sinks):  # compiled backwards'
+            if sink.grad is not None and name in owners:
+                p = owners[name]
+                sums[p] = sums[p] + sink.grad if p in sums else sink.grad
+            sink.grad = None
+        if self._spec.names != tuple(owners):
             self._make_sinks()  # for the parameters as they are now
         return sums
 
