@@ -132,6 +132,14 @@ def spawn(worker: Callable[..., None], *args: object) -> None:
             pytest.fail(f"distributed workers still running after {DEADLINE_S}s")
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """The first exception of ``exc``'s chain: a user error raised while
+    Dynamo or AOTAutograd traced, under the exceptions they wrap it in."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return exc
+
+
 def available_devices() -> List[str]:
     """CPU always; CUDA when a GPU is present (tests parametrized over it skip cleanly without)."""
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

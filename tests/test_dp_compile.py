@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
+from conftest import root_cause
 from dp_reference import assert_close_rel, loop_clipped_grad
 from torch import Tensor, nn
 from torch.func import functional_call
@@ -167,9 +168,7 @@ def test_user_errors_raise_when_compiled() -> None:
     clipped = batchrules.clipped_grad(loss, 0.5)
     with pytest.raises(Exception) as raised:
         torch.compile(clipped, fullgraph=True, backend="aot_eager")(params, inputs(5), torch.zeros(5))
-    root: BaseException = raised.value
-    while root.__cause__ is not None or root.__context__ is not None:
-        root = root.__cause__ or root.__context__  # type: ignore[assignment]
+    root = root_cause(raised.value)
     assert isinstance(root, ValueError) and "scalar per sample" in str(root)
 
 

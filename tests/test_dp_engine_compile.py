@@ -1,10 +1,11 @@
 """The engine's ``PrivateModule`` inside ``torch.compile(fullgraph=True)``
 (Note [The engine under torch.compile]): one graph, Poisson-sized batches
 without a compile per size, Inductor equal to eager over several steps with
-noise, the engine's bookkeeping (gradient accumulation, skipped steps, empty
-batches, the first-step validation) and its errors. The compiled step is
-checked exactly against the per-sample loop on every model family in
-test_dp_engine_models.py (its ``compiled`` cases)."""
+noise, ``make_private``, autocast, and its errors. The compiled step is
+checked exactly against the per-sample loop on every model family, and the
+engine's bookkeeping (gradient accumulation, skipped steps, empty batches,
+the first-step validation), in test_dp_engine_models.py's ``compiled``
+cases."""
 import copy
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -13,6 +14,7 @@ import test_dp_engine_models as models
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
+from conftest import root_cause
 from torch import Tensor, nn
 
 from batchrules.dp.engine import DPOptimizer, PrivateModule
@@ -20,14 +22,12 @@ from batchrules.dp.engine import DPOptimizer, PrivateModule
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
-def _engine(model: nn.Module, *, max_norm: float = 0.5, noise: float = 0.0, seed: int = 0,
-            validate: bool = True, momentum: float = 0.0,
-            expected_batch_size: int = 6) -> Tuple[PrivateModule, DPOptimizer]:
+def _engine(model: nn.Module, *, noise: float = 0.0, validate: bool = True,
+            momentum: float = 0.0) -> Tuple[PrivateModule, DPOptimizer]:
     private = PrivateModule(model, validate=validate)
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=momentum),
-                            module=private, noise_multiplier=noise, max_grad_norm=max_norm,
-                            expected_batch_size=expected_batch_size,
-                            generator=torch.Generator().manual_seed(seed))
+                            module=private, noise_multiplier=noise, max_grad_norm=0.5,
+                            expected_batch_size=6, generator=torch.Generator().manual_seed(0))
     return private, optimizer
 
 
@@ -151,52 +151,6 @@ def test_autocast_equals_eager() -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_gradient_accumulation_and_skipped_steps() -> None:
-    """Two backwards then a step, and a logical batch in two pieces with the
-    first step skipped: each one batch of both."""
-    model, batch = models.mlp_batch(8)
-    want, _, c = models.loop_clipped_sum(model, batch, models.cross_entropy)
-    halves = [models.rows(batch, slice(0, 4)), models.rows(batch, slice(4, 8))]
-    moved = models.engine_step(copy.deepcopy(model), halves, models.cross_entropy, c, 4,
-                               backend="aot_eager")
-    models.assert_moved_by(moved, {n: -w / 8 for n, w in want.items()})
-
-    private, optimizer = _engine(model, max_norm=c, expected_batch_size=8)
-    optimizer.param_groups[0]["lr"] = 1.0
-    forward = torch.compile(private, fullgraph=True, backend="aot_eager")
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for (args, _, y), skip in zip(halves, (True, False)):
-        optimizer.signal_skip_step(skip)
-        optimizer.zero_grad()
-        F.cross_entropy(forward(*args), y).backward()
-        optimizer.step()
-    moved = {n: p.detach() - before[n] for n, p in model.named_parameters()}
-    models.assert_moved_by(moved, {n: -w / 8 for n, w in want.items()})
-
-
-def test_empty_batch_steps_with_noise_only() -> None:
-    model, _ = models.mlp_batch()
-    empty = ((torch.zeros(0, 5, dtype=torch.float64),), {}, torch.zeros(0, dtype=torch.long))
-    eager = models.engine_step(copy.deepcopy(model), [empty], lambda out, y, kw: out.sum(1), 0.5, 4,
-                               noise=2.0, generator=torch.Generator().manual_seed(3))
-    compiled = models.engine_step(model, [empty], lambda out, y, kw: out.sum(1), 0.5, 4, noise=2.0,
-                                  generator=torch.Generator().manual_seed(3), backend="aot_eager")
-    assert all(m.abs().sum() > 0 for m in compiled.values())
-    for n in eager:
-        torch.testing.assert_close(compiled[n], eager[n], rtol=0, atol=0)
-
-
-def test_mixing_model_caught_by_first_step_validation() -> None:
-    """The compiled forward keeps the first batch; the validation draws its
-    cotangents (Note [Validating the batched forward])."""
-    model = models.MixesSamples().double()
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    batch = ((torch.randn(6, 4, dtype=torch.float64),), {}, torch.randint(0, 2, (6,)))
-    with pytest.raises(RuntimeError, match=r"first-step validation.*first\.weight"):
-        models.engine_step(model, [batch], models.cross_entropy, 1.0, 6, backend="aot_eager")
-    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
-
-
 class Escapes(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -206,18 +160,12 @@ class Escapes(nn.Module):
         return F.linear(x, self.first.weight * 2)  # "* 2" has no argument of the batch
 
 
-def _root(exc: BaseException) -> BaseException:
-    while exc.__cause__ is not None or exc.__context__ is not None:
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    return exc
-
-
 def test_parameter_escaping_the_batch_is_reported() -> None:
     private, _ = _engine(Escapes().double())
     forward = torch.compile(private, fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception) as raised:
         forward(torch.randn(6, 5, dtype=torch.float64)).sum().backward()
-    root = _root(raised.value)
+    root = root_cause(raised.value)
     assert isinstance(root, RuntimeError) and "first.weight" in str(root) \
         and "cannot be split per sample" in str(root)
 
@@ -228,7 +176,7 @@ def test_trainable_parameters_changed_is_refused() -> None:
     model[0].weight.requires_grad_(False)  # after the optimizer saw it
     with pytest.raises(Exception) as raised:
         torch.compile(private, fullgraph=True, backend="aot_eager")(torch.randn(6, 5, dtype=torch.float64))
-    assert "trainable parameters changed" in str(_root(raised.value))
+    assert "trainable parameters changed" in str(root_cause(raised.value))
 
 
 def test_moved_after_the_optimizer_follows() -> None:

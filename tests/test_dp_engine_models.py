@@ -20,6 +20,9 @@ from batchrules.dp.engine import DPOptimizer, PrivateModule
 
 # The engine eager, and its PrivateModule compiled (Note [The engine under torch.compile]).
 BACKENDS = pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+# Each PrivateModule is a graph of its own: without a reset, the tests' modules
+# would reach Dynamo's recompile limit for PrivateModule.forward.
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 REL = 1e-9
 EPS = 1e-6  # the clipping's: coef = min(1, C / (norm + EPS))
@@ -236,21 +239,24 @@ class MixesSamples(nn.Module):
         return self.second(h - h.mean(0))  # every sample's output depends on the others
 
 
-def test_mixing_model_caught_by_first_step_validation() -> None:
+@BACKENDS
+def test_mixing_model_caught_by_first_step_validation(backend: Optional[str]) -> None:
+    """Compiled, the validation keeps the first batch and draws its cotangents."""
     model = MixesSamples().double()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     batch = ((torch.randn(6, 4, dtype=torch.float64),), {}, torch.randint(0, 2, (6,)))
     with pytest.raises(RuntimeError, match=r"first-step validation.*first\.weight"):
-        engine_step(model, [batch], cross_entropy, 1.0, 6)
+        engine_step(model, [batch], cross_entropy, 1.0, 6, backend=backend)
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
-def test_empty_batch_steps_with_noise_only() -> None:
+@BACKENDS
+def test_empty_batch_steps_with_noise_only(backend: Optional[str]) -> None:
     model, _ = mlp_batch()
     empty: Batch = ((torch.zeros(0, 5, dtype=torch.float64),), {}, torch.zeros(0, dtype=torch.long))
     sigma, c, b = 2.0, 0.5, 4
     moved = engine_step(model, [empty], lambda out, y, kw: out.sum(1), c, b, noise=sigma,
-                        generator=torch.Generator().manual_seed(3))
+                        generator=torch.Generator().manual_seed(3), backend=backend)
     draws = torch.Generator().manual_seed(3)
     for n, p in model.named_parameters():
         # the engine's noise, drawn per parameter in order from the generator
@@ -260,17 +266,19 @@ def test_empty_batch_steps_with_noise_only() -> None:
     assert math.isclose(spread, sigma * c / b, rel_tol=0.25)
 
 
-def test_gradient_accumulation_equals_one_batch() -> None:
+@BACKENDS
+def test_gradient_accumulation_equals_one_batch(backend: Optional[str]) -> None:
     """Two backwards then one step: the divisor is expected_batch_size (each
     backward's) times the backwards, the sums add up: one batch of both."""
     model, batch = mlp_batch(8)
     want, _, c = loop_clipped_sum(model, batch, cross_entropy)
     halves = [rows(batch, slice(0, 4)), rows(batch, slice(4, 8))]
-    moved = engine_step(model, halves, cross_entropy, c, 4)
+    moved = engine_step(model, halves, cross_entropy, c, 4, backend=backend)
     assert_moved_by(moved, {n: -w / 8 for n, w in want.items()})
 
 
-def test_skipped_step_pieces_equal_one_batch() -> None:
+@BACKENDS
+def test_skipped_step_pieces_equal_one_batch(backend: Optional[str]) -> None:
     """A logical batch in two physical pieces (BatchMemoryManager's loop: a
     step per piece, the first skipped): one batch of both, with
     expected_batch_size the logical batch's."""
@@ -279,12 +287,13 @@ def test_skipped_step_pieces_equal_one_batch() -> None:
     private = PrivateModule(model)
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), module=private,
                             noise_multiplier=0.0, max_grad_norm=c, expected_batch_size=8)
+    forward = private if backend is None else torch.compile(private, fullgraph=True, backend=backend)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for k, skip in ((0, True), (1, False)):
         optimizer.signal_skip_step(skip)
         optimizer.zero_grad()
         args, _, targets = rows(batch, slice(4 * k, 4 * k + 4))
-        F.cross_entropy(private(*args), targets).backward()
+        F.cross_entropy(forward(*args), targets).backward()
         optimizer.step()
     moved = {n: p.detach() - before[n] for n, p in model.named_parameters()}
     assert_moved_by(moved, {n: -w / 8 for n, w in want.items()})
