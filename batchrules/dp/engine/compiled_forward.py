@@ -24,7 +24,11 @@ the compiled region: when the DPOptimizer is attached, after ``.to()``, and
 at a step after which the trainable parameters changed (a compiled forward
 meeting other trainable parameters than its sinks' raises). The first
 compiled forward keeps its inputs for the validation; the next one compiles
-again, once, as the validation has then started.
+again, once, as the validation has then started. The spec is guarded by
+identity (the traced body hides the model's code from Dynamo's guards), so
+each PrivateModule, DPOptimizer attached or ``.to()`` compiles anew, and
+Dynamo's ``recompile_limit`` (8) bounds how many one process compiles before
+``torch._dynamo.reset()``.
 
 The model's parameters and buffers are read from its modules' dicts where
 Dynamo lifts them as inputs of the graph, as for clipped_grad's loss (Note
