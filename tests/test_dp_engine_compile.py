@@ -151,6 +151,34 @@ def test_autocast_equals_eager() -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+class SumsTokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.embed(x).sum(1))
+
+
+def test_zero_length_sequences_equal_eager() -> None:
+    """[B, 0, D] inputs: no token reaches the first layer (zero sums) and the
+    head's bias alone is clipped, as eagerly."""
+    def train(backend: Optional[str]) -> List[Tensor]:
+        torch.manual_seed(0)
+        model = SumsTokens().double()
+        private, optimizer = _engine(model, validate=False)
+        forward = private if backend is None else torch.compile(private, fullgraph=True,
+                                                                backend=backend)
+        optimizer.zero_grad()
+        x, y = torch.zeros(5, 0, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 1, 0])
+        F.cross_entropy(forward(x), y).backward()
+        optimizer.step()
+        return [p.detach() for p in model.parameters()]
+
+    for got, want in zip(train("aot_eager"), train(None)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 class Escapes(nn.Module):
     def __init__(self) -> None:
         super().__init__()
