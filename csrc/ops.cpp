@@ -95,6 +95,10 @@ TORCH_LIBRARY(batchrules, m) {
   // plus `biases` times ||sum_t g_i,t||^2 (biases sharing the output
   // gradient): CPU (float32, float64) and Meta only, not differentiable.
   m.def("ghost_norms_sq(Tensor rows, Tensor grads, int biases=0) -> Tensor");
+  // x.permute(2, 0, 1) * scale[:, None], contiguous: x [B, T, K], scale [B]
+  // to [K, B, T] (a clipped sum's scaled operand; Note [A scaled transpose
+  // in 8 x 8 tiles]): CPU and Meta only, not differentiable.
+  m.def("scaled_transpose(Tensor x, Tensor scale) -> Tensor");
   // Each activation: <name>(self) and <name>_backward(grad_output, self),
   // whose operands broadcast against each other as in aten::silu_backward.
 #define BATCHRULES_DEFINE_ACTIVATION_SCHEMAS(name, ...) \

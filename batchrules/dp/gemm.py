@@ -11,9 +11,10 @@ of at least ``_ONEDNN_MIN_MACS`` multiply-adds (below it oneDNN's call costs
 more than it saves) run as oneDNN's matmul through aten's
 ``mkldnn::_linear_pointwise`` (``X W^T``), when oneDNN is built in and enabled
 (``torch.backends.mkldnn.flags(enabled=False)`` turns it off). The scaled
-operand is written once, transposed and contiguous, as X: oneDNN copies a
-transposed X itself, so the only temporary is the scaled copy the other path
-makes too. Where that path would scale a writable operand in place and the
+operand is written once, transposed and contiguous, as X, by
+``batchrules::scaled_transpose`` (Note [A scaled transpose in 8 x 8 tiles]):
+oneDNN copies a transposed X itself, so the only temporary is the scaled copy
+the other path makes too. Where that path would scale a writable operand in place and the
 copy would be larger than the result, it keeps the in-place sgemm instead
 (peak memory before speed). Every other case is ``torch.mm``: under
 torch.compile (Inductor picks its GEMMs, and lowers this op only for frozen
@@ -54,8 +55,7 @@ def clipped_gemm(x: Tensor, y: Tensor, c: Tensor, writable: Tuple[bool, bool]) -
     onednn = _onednn_for(narrow, wide_rows, batch * rows * m * n, in_place)
     if onednn is not None:
         # X = (c narrow)^T [K, R], contiguous; W = wide^T, a view: X W^T = (c narrow)^T wide
-        scaled = narrow.new_empty(narrow.shape[-1], batch, rows)
-        torch.mul(narrow.permute(2, 0, 1), c.view(1, -1, 1), out=scaled)
+        scaled = torch.ops.batchrules.scaled_transpose(narrow, c)
         out = onednn(scaled.view(-1, batch * rows), wide_rows.t(), None, "none", [None], "")
         return out if scale_x else out.t().contiguous()
     c3 = c.view(-1, 1, 1)
