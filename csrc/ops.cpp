@@ -35,6 +35,11 @@ const c10::TypedOperatorHandle<RnnRecurrenceBackwardSig>& rnn_recurrence_backwar
   return op;
 }
 
+const c10::TypedOperatorHandle<ScaledTransposeSig>& scaled_transpose_op() {
+  static const auto op = find_op<ScaledTransposeSig>("batchrules::scaled_transpose");
+  return op;
+}
+
 const c10::TypedOperatorHandle<FusedLstmSig>& fused_lstm_layer_op() {
   static const auto op = find_op<FusedLstmSig>("batchrules::fused_lstm_layer");
   return op;
@@ -99,6 +104,10 @@ TORCH_LIBRARY(batchrules, m) {
   // to [K, B, T] (a clipped sum's scaled operand; Note [A scaled transpose
   // in 8 x 8 tiles]): CPU and Meta only, not differentiable.
   m.def("scaled_transpose(Tensor x, Tensor scale) -> Tensor");
+  // sum_i scale_i x_i^T y_i over all rows: x [B, T, M], y [B, T, N], scale
+  // [B] to [M, N] (a clipped sum; Note [The clipped sum as one op]): CPU and
+  // Meta only, not differentiable.
+  m.def("scaled_gram(Tensor x, Tensor y, Tensor scale) -> Tensor");
   // Each activation: <name>(self) and <name>_backward(grad_output, self),
   // whose operands broadcast against each other as in aten::silu_backward.
 #define BATCHRULES_DEFINE_ACTIVATION_SCHEMAS(name, ...) \

@@ -49,6 +49,11 @@ using RnnRecurrenceBackwardSig = RecurrenceGradsResult(const OptTensor&, const O
 const c10::TypedOperatorHandle<RnnRecurrenceSig>& rnn_recurrence_op();
 const c10::TypedOperatorHandle<RnnRecurrenceBackwardSig>& rnn_recurrence_backward_op();
 
+// See Note [A scaled transpose in 8 x 8 tiles] (dp/scaled_transpose/kernel.cpp).
+using ScaledTransposeSig = Tensor(const Tensor&, const Tensor&);
+
+const c10::TypedOperatorHandle<ScaledTransposeSig>& scaled_transpose_op();
+
 // oneDNN's LSTM layer with its own fused backward (recurrent/onednn/kernel.cpp);
 // its workspace is a list, one per fused call.
 using FusedLstmResult = std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>>;

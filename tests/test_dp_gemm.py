@@ -9,7 +9,8 @@ import batchrules
 from batchrules import _C
 from batchrules.dp import gemm
 
-needs_onednn = pytest.mark.skipif(gemm._ONEDNN is None, reason="torch built without oneDNN")
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                  reason="torch built without oneDNN")
 
 
 def reference(x, y, c):
@@ -25,18 +26,17 @@ def operands(batch, rows, m, n, dtype=torch.float32):
 
 @pytest.fixture
 def onednn_calls(monkeypatch):
-    """Counts the oneDNN matmuls clipped_gemm makes, oneDNN preferred (as
-    where MKL is not the faster: test_mkl_where_it_is_the_faster)."""
-    monkeypatch.setattr(gemm, "_ONEDNN_PREFERRED", True)
+    """Counts the sums clipped_gemm hands to oneDNN (batchrules::scaled_gram),
+    oneDNN preferred (as where MKL is not the faster: test_mkl_where_it_is_the_faster)."""
+    monkeypatch.setattr(gemm, "_ONEDNN_PREFERRED", torch.backends.mkldnn.is_available())
     calls = []
-    if gemm._ONEDNN is not None:
-        real = gemm._ONEDNN
+    real = gemm._SCALED_GRAM
 
-        def counted(*args):
-            calls.append(args[0].shape)
-            return real(*args)
+    def counted(x, y, c):
+        calls.append((x.shape, y.shape))
+        return real(x, y, c)
 
-        monkeypatch.setattr(gemm, "_ONEDNN", counted)
+    monkeypatch.setattr(gemm, "_SCALED_GRAM", counted)
     return calls
 
 
@@ -85,7 +85,7 @@ def test_mkl_where_it_is_the_faster() -> None:
         intel = "GenuineIntel" in next((line for line in f if line.startswith("vendor_id")), "")
     mkl = torch.backends.mkl.is_available() and intel
     assert _C._mkl_gemm_beats_onednn() == mkl
-    assert gemm._ONEDNN_PREFERRED == (not mkl)
+    assert gemm._ONEDNN_PREFERRED == (torch.backends.mkldnn.is_available() and not mkl)
 
 
 def test_empty_rows() -> None:

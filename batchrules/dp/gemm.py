@@ -8,38 +8,36 @@ an AMD EPYC, oneDNN's matmul (the library aten already runs convolutions and
 LSTM layers with) computes these shapes about twice as fast, to the same
 float32 accuracy. So float32 CPU sums
 of at least ``_ONEDNN_MIN_MACS`` multiply-adds (below it oneDNN's call costs
-more than it saves) run as oneDNN's matmul through aten's
-``mkldnn::_linear_pointwise`` (``X W^T``), when oneDNN is built in and enabled
-(``torch.backends.mkldnn.flags(enabled=False)`` turns it off). The scaled
-operand is written once, transposed and contiguous, as X, by
+more than it saves) are ``batchrules::scaled_gram``, whose kernel runs
+oneDNN's matmul (aten's ``mkldnn::_linear_pointwise``), eager and compiled
+alike (Note [The clipped sum as one op]), when oneDNN is built in and enabled
+(``torch.backends.mkldnn.flags(enabled=False)`` turns it off). Its scaled
+operand is written once, transposed and contiguous, by
 ``batchrules::scaled_transpose`` (Note [A scaled transpose in 8 x 8 tiles]):
 oneDNN copies a transposed X itself, so the only temporary is the scaled copy
-the other path makes too. Where that path would scale a writable operand in place and the
-copy would be larger than the result, it keeps the in-place sgemm instead
-(peak memory before speed). Every other case is ``torch.mm``: under
-torch.compile (Inductor picks its GEMMs, and lowers this op only for frozen
-weights), float64, CUDA,
-no oneDNN, and a wider operand whose rows are not packed one after the
-other: overlapping (the stride-0 gradient of a sum) or spaced (a slice, as a
-[CLS] token's rows), for which oneDNN runs a reference kernel, orders of
-magnitude slower. Where MKL's sgemm is the faster (an Intel CPU: Note [MKL or
-oneDNN by CPU vendor] in csrc/common/cpu_gemm.h) every sum is ``torch.mm``
-(``_ONEDNN_PREFERRED``).
+the other path makes too. Where that path would scale a writable operand in
+place and the copy would be larger than the result, it keeps the in-place
+sgemm instead (peak memory before speed). Every other case is ``torch.mm``:
+float64, CUDA, no oneDNN, and a wider operand whose rows are not packed one
+after the other: overlapping (the stride-0 gradient of a sum) or spaced (a
+slice, as a [CLS] token's rows), for which oneDNN runs a reference kernel,
+orders of magnitude slower. Where MKL's sgemm is the faster (an Intel CPU:
+Note [MKL or oneDNN by CPU vendor] in csrc/common/cpu_gemm.h) every sum is
+``torch.mm`` (``_ONEDNN_PREFERRED``).
 """
-from typing import Callable, Optional, Tuple
+from typing import Tuple
 
 import torch
 from torch import Tensor
 
 from .. import _C
 
-_ONEDNN = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-           if torch.backends.mkldnn.is_available() else None)
+_SCALED_GRAM = torch.ops.batchrules.scaled_gram.default
 _ONEDNN_MIN_MACS = 1 << 20
 
 
 # Note [oneDNN for the clipped sums]: not where MKL's sgemm is the faster.
-_ONEDNN_PREFERRED = not _C._mkl_gemm_beats_onednn()
+_ONEDNN_PREFERRED = torch.backends.mkldnn.is_available() and not _C._mkl_gemm_beats_onednn()
 
 
 def clipped_gemm(x: Tensor, y: Tensor, c: Tensor, writable: Tuple[bool, bool]) -> Tensor:
@@ -52,12 +50,8 @@ def clipped_gemm(x: Tensor, y: Tensor, c: Tensor, writable: Tuple[bool, bool]) -
     narrow, wide = (x, y) if scale_x else (y, x)
     in_place = writable[0 if scale_x else 1]
     wide_rows = wide.reshape(batch * rows, wide.shape[-1])
-    onednn = _onednn_for(narrow, wide_rows, batch * rows * m * n, in_place)
-    if onednn is not None:
-        # X = (c narrow)^T [K, R], contiguous; W = wide^T, a view: X W^T = (c narrow)^T wide
-        scaled = torch.ops.batchrules.scaled_transpose(narrow, c)
-        out = onednn(scaled.view(-1, batch * rows), wide_rows.t(), None, "none", [None], "")
-        return out if scale_x else out.t().contiguous()
+    if _onednn_runs(narrow, wide_rows, batch * rows * m * n, in_place):
+        return _SCALED_GRAM(x, y, c)  # Note [The clipped sum as one op]
     c3 = c.view(-1, 1, 1)
     scaled_rows = (narrow.mul_(c3) if in_place else narrow * c3).reshape(batch * rows,
                                                                           narrow.shape[-1])
@@ -65,13 +59,10 @@ def clipped_gemm(x: Tensor, y: Tensor, c: Tensor, writable: Tuple[bool, bool]) -
             else torch.mm(wide_rows.t(), scaled_rows))
 
 
-def _onednn_for(narrow: Tensor, wide_rows: Tensor, macs: int,
-                in_place: bool) -> Optional[Callable[..., Tensor]]:
-    """oneDNN's linear where it forms the sum (Note [oneDNN for the clipped
-    sums]), else None; ``wide_rows``: the wider operand as ``[R, K]``."""
-    runs = (_ONEDNN_PREFERRED and torch._C._get_mkldnn_enabled() and macs >= _ONEDNN_MIN_MACS
-            and not torch.compiler.is_compiling()  # Inductor picks a traced step's GEMMs
+def _onednn_runs(narrow: Tensor, wide_rows: Tensor, macs: int, in_place: bool) -> bool:
+    """Whether oneDNN's matmul forms the sum (Note [oneDNN for the clipped sums]);
+    ``wide_rows``: the wider operand as ``[R, K]``."""
+    return (_ONEDNN_PREFERRED and torch._C._get_mkldnn_enabled() and macs >= _ONEDNN_MIN_MACS
             and narrow.device.type == "cpu" and narrow.dtype == wide_rows.dtype == torch.float32
             and wide_rows.is_contiguous()
             and not (in_place and narrow.numel() > narrow.shape[-1] * wide_rows.shape[-1]))
-    return _ONEDNN if runs else None
