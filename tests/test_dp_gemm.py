@@ -58,7 +58,7 @@ def test_onednn_sum_equals_the_float64_sum(m, n, layout, onednn_calls) -> None:
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration")  # torch.backends.mkldnn.flags' own
 @pytest.mark.parametrize("case", ["float64", "small", "disabled", "expanded", "spaced_rows",
-                                  "in_place_larger"])
+                                  "in_place_larger", "wide_and_long"])
 def test_other_cases_take_mm(case, onednn_calls) -> None:
     """Exactly the cases Note [oneDNN for the clipped sums] gives to torch.mm."""
     x, y, c = operands(4, 8, 16, 24) if case == "small" else operands(
@@ -70,12 +70,24 @@ def test_other_cases_take_mm(case, onednn_calls) -> None:
     writable = (case == "in_place_larger", False)
     if case == "in_place_larger":  # a scaled copy larger than the result
         x, y, c = operands(64, 64, 32, 48)
+    if case == "wide_and_long":  # GPT-2's c_attn: where MKL was the faster
+        x, y, c = operands(9, 32, 256, gemm._ONEDNN_MAX_WIDTH + 8)
     want = reference(x, y, c)
     with torch.backends.mkldnn.flags(enabled=case != "disabled"):
         got = gemm.clipped_gemm(x, y, c, writable)
     torch.testing.assert_close(got.double(), want, rtol=1e-5 if got.dtype == torch.float32 else 1e-12,
                                atol=1e-4 if got.dtype == torch.float32 else 1e-12)
     assert onednn_calls == []
+
+
+@needs_onednn
+def test_any_width_on_few_rows(onednn_calls) -> None:
+    """A wider operand over _ONEDNN_MAX_WIDTH still takes oneDNN on at most
+    _ONEDNN_ANY_WIDTH_ROWS rows (an MLP's batch)."""
+    x, y, c = operands(gemm._ONEDNN_ANY_WIDTH_ROWS, 1, 512, 784)
+    got = gemm.clipped_gemm(x, y, c, (False, False))
+    torch.testing.assert_close(got.double(), reference(x, y, c), rtol=1e-5, atol=1e-4)
+    assert len(onednn_calls) == 1
 
 
 def test_mkl_where_it_is_the_faster() -> None:
