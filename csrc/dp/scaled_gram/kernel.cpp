@@ -62,12 +62,14 @@ at::Tensor scaled_gram_cpu(const at::Tensor& x, const at::Tensor& y, const at::T
   const at::Tensor scaled =
       scaled_transpose_op().call(narrow, scale).view({narrow.size(2), rows});
   const auto& onednn = onednn_linear();
-  const bool packed = wide_rows.is_contiguous() && scaled.numel() > 0 && wide_rows.numel() > 0;
+  // oneDNN where the wider operand's rows are packed (see the Note)
+  const bool onednn_runs = onednn.has_value() && x.scalar_type() == at::kFloat &&
+                           at::globalContext().userEnabledMkldnn() &&
+                           wide_rows.is_contiguous() && scaled.numel() > 0 &&
+                           wide_rows.numel() > 0;
   // K,R x R,W -> K,W
-  const at::Tensor out = onednn.has_value() && packed && x.scalar_type() == at::kFloat &&
-                                 at::globalContext().userEnabledMkldnn()
-                             ? onednn_mm(*onednn, scaled, wide_rows)
-                             : at::mm(scaled, wide_rows);
+  const at::Tensor out =
+      onednn_runs ? onednn_mm(*onednn, scaled, wide_rows) : at::mm(scaled, wide_rows);
   return scale_x ? out : out.t().contiguous();
 }
 

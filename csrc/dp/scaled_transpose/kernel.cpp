@@ -9,7 +9,11 @@
 // x are loaded as eight vectors, each multiplied by its sample's
 // coefficient, transposed in registers (unpack, shuffle, permute2f128) and
 // stored as pieces of eight output rows; the edges short of eight rows or
-// columns run as scalars. Other dtypes and CPUs without AVX2 keep aten's mul.
+// columns run as scalars. The tiles go in bands of eight output rows, each
+// written from its start to its end: bands of eight input rows write to
+// every output row in turn, rows that lie a power of two apart and evict
+// each other (128 x 16 rows of 256: 525 against 142 us). Other dtypes and
+// CPUs without AVX2 keep aten's mul.
 #include "dp/scaled_transpose/shape_checks.h"
 
 #include <ATen/ATen.h>
