@@ -12,6 +12,8 @@ from batchrules.dp import gemm
 scaled_gram = torch.ops.batchrules.scaled_gram.default
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                   reason="torch built without oneDNN")
+# torch.backends.mkldnn.flags' own warning, on every call
+pytestmark = pytest.mark.filterwarnings("ignore:TF32 acceleration")
 
 
 def reference(x, y, c):
