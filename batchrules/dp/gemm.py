@@ -6,9 +6,9 @@ A layer's clipped sum is one GEMM over all B*T recorded rows, ``[R, M]`` and
 the narrower operand. On the CPU aten runs a float32 GEMM as MKL's sgemm; on
 an AMD EPYC, oneDNN's matmul (the library aten already runs convolutions and
 LSTM layers with) computes most of these shapes faster, to the same float32
-accuracy: 1.8-2.1x on an AVX-512 one, 1.2-1.3x on a Zen 2 one, where it was
-also 0.75-0.9x as fast on 1024 rows with a wider operand 640 to 1536 wide
-(GPT-2's ``c_attn`` and head). So float32 CPU sums of at least
+accuracy, but on a Zen 2 one it was the slower where the wider operand is
+both wide and long (GPT-2's ``c_attn`` and head; the measurements:
+docs/design.md). So float32 CPU sums of at least
 ``_ONEDNN_MIN_MACS`` multiply-adds (below it oneDNN's call costs more than
 it saves) whose wider operand is at most ``_ONEDNN_MAX_WIDTH`` wide or
 ``_ONEDNN_ANY_WIDTH_ROWS`` rows long are ``batchrules::scaled_gram``, whose

@@ -4,16 +4,15 @@
 //
 // Note [A scaled transpose in 8 x 8 tiles]
 // aten's mul into a permuted output runs with a strided write (or read) per
-// element: 110 us for 128 x 512 float32s, ten times the same mul unpermuted,
-// a tenth of the clipped sum's GEMM it feeds. Here, with AVX2, eight rows of
+// element, several times the same mul unpermuted and a sizeable part of the
+// clipped sum's GEMM it feeds (docs/design.md). Here, with AVX2, eight rows of
 // x are loaded as eight vectors, each multiplied by its sample's
 // coefficient, transposed in registers (unpack, shuffle, permute2f128) and
 // stored as pieces of eight output rows; the edges short of eight rows or
 // columns run as scalars. The tiles go in bands of eight output rows, each
 // written from its start to its end: bands of eight input rows write to
 // every output row in turn, rows that lie a power of two apart and evict
-// each other (128 x 16 rows of 256: 525 against 142 us). Other dtypes and
-// CPUs without AVX2 keep aten's mul.
+// each other. Other dtypes and CPUs without AVX2 keep aten's mul.
 #include "dp/scaled_transpose/shape_checks.h"
 
 #include <ATen/ATen.h>
