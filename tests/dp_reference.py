@@ -89,6 +89,11 @@ def clip_coef(norms: Tensor, max_norm: float) -> Tensor:
     return (max_norm / (norms + EPS)).clamp(max=1.0)
 
 
+def clipped_sum(x: Tensor, y: Tensor, c: Tensor) -> Tensor:
+    """A layer's clipped sum ``sum_i c_i x_i^T y_i`` over rows ``[B, T, *]``, in float64."""
+    return torch.einsum("b,btm,btn->mn", c.double(), x.double(), y.double())
+
+
 def per_sample_norms(per: Dict[str, Tensor]) -> Tensor:
     """``[B]``: the norms of the per-sample gradients ``per`` (``[B, *shape]``
     each, vmap(grad)'s) over all parameters together."""

@@ -3,7 +3,8 @@ which kernel runs, and that every way gives sum_i c_i x_i^T y_i."""
 import pytest
 import torch
 import torch.nn.functional as F
-from dp_reference import loop_clipped_grad
+from dp_reference import clipped_sum, loop_clipped_grad
+from torch.profiler import profile
 
 import batchrules
 from batchrules import _C
@@ -11,10 +12,6 @@ from batchrules.dp import gemm
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                   reason="torch built without oneDNN")
-
-
-def reference(x, y, c):
-    return torch.einsum("b,btm,btn->mn", c.double(), x.double(), y.double())
 
 
 def operands(batch, rows, m, n, dtype=torch.float32):
@@ -51,7 +48,7 @@ def test_onednn_sum_equals_the_float64_sum(m, n, layout, onednn_calls) -> None:
     before = (x.clone(), y.clone())
     got = gemm.clipped_gemm(x, y, c, (False, False))
     assert got.shape == (m, n) and got.is_contiguous()
-    torch.testing.assert_close(got.double(), reference(x, y, c), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got.double(), clipped_sum(x, y, c), rtol=1e-5, atol=1e-4)
     assert torch.equal(x, before[0]) and torch.equal(y, before[1])  # nothing scaled in place
     assert len(onednn_calls) == 1
 
@@ -72,7 +69,7 @@ def test_other_cases_take_mm(case, onednn_calls) -> None:
         x, y, c = operands(64, 64, 32, 48)
     if case == "wide_and_long":  # GPT-2's c_attn: where MKL was the faster
         x, y, c = operands(9, 32, 256, gemm._ONEDNN_MAX_WIDTH + 8)
-    want = reference(x, y, c)
+    want = clipped_sum(x, y, c)
     with torch.backends.mkldnn.flags(enabled=case != "disabled"):
         got = gemm.clipped_gemm(x, y, c, writable)
     torch.testing.assert_close(got.double(), want, rtol=1e-5 if got.dtype == torch.float32 else 1e-12,
@@ -86,7 +83,7 @@ def test_any_width_on_few_rows(onednn_calls) -> None:
     _ONEDNN_ANY_WIDTH_ROWS rows (an MLP's batch)."""
     x, y, c = operands(gemm._ONEDNN_ANY_WIDTH_ROWS, 1, 512, 784)
     got = gemm.clipped_gemm(x, y, c, (False, False))
-    torch.testing.assert_close(got.double(), reference(x, y, c), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got.double(), clipped_sum(x, y, c), rtol=1e-5, atol=1e-4)
     assert len(onednn_calls) == 1
 
 
@@ -105,9 +102,9 @@ def test_empty_rows() -> None:
     assert torch.equal(gemm.clipped_gemm(x, y, c, (False, False)), torch.zeros(512, 784))
 
 
-@needs_onednn
-def test_clipped_grad_float32_mlp_on_onednn(onednn_calls) -> None:
-    """A float32 MLP wide enough for oneDNN: sums and norms against the float64 loop."""
+def wide_mlp():
+    """A float32 MLP's parameters, batch and per-sample loss, w1's sum wide enough for oneDNN
+    (64 x 256 x 196 multiply-adds)."""
     g = torch.Generator().manual_seed(0)
     params = {"w1": torch.randn(256, 196, generator=g) / 14, "b1": torch.zeros(256),
               "w2": torch.randn(10, 256, generator=g) / 16, "b2": torch.zeros(10)}
@@ -117,6 +114,13 @@ def test_clipped_grad_float32_mlp_on_onednn(onednn_calls) -> None:
         h = F.silu(F.linear(xi, p["w1"], p["b1"]))
         return F.cross_entropy(F.linear(h, p["w2"], p["b2"]), yi)
 
+    return params, x, y, loss
+
+
+@needs_onednn
+def test_clipped_grad_float32_mlp_on_onednn(onednn_calls) -> None:
+    """A float32 MLP wide enough for oneDNN: sums and norms against the float64 loop."""
+    params, x, y, loss = wide_mlp()
     sums, norms = batchrules.clipped_grad(loss, 0.5)(params, x, y)
     want_sums, want_norms = loop_clipped_grad(
         loss, 0.5, ({k: v.double() for k, v in params.items()}, x.double(), y))
@@ -124,3 +128,24 @@ def test_clipped_grad_float32_mlp_on_onednn(onednn_calls) -> None:
     torch.testing.assert_close(norms.double(), want_norms, rtol=1e-5, atol=1e-6)
     for k in params:
         torch.testing.assert_close(sums[k].double(), want_sums[k], rtol=1e-4, atol=1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_step_sums_on_the_op(backend, monkeypatch) -> None:
+    """Compiled, clipped_grad forms a wide float32 layer's sum with the same op as eager (it was
+    Inductor's mm), equal to eager."""
+    monkeypatch.setattr(gemm, "_ONEDNN_PREFERRED", True)
+    params, x, y, loss = wide_mlp()
+    step = batchrules.clipped_grad(loss, 0.5)
+    want_sums, want_norms = step(params, x, y)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda p, a, b: step(p, a, b), fullgraph=True, backend=backend)
+    compiled(params, x, y)
+    with profile() as prof:
+        sums, norms = compiled(params, x, y)
+    names = {e.name for e in prof.events()}
+    assert "batchrules::scaled_gram" in names and "mkldnn::_linear_pointwise" in names
+    torch.testing.assert_close(norms, want_norms, rtol=1e-5, atol=1e-6)
+    for k in params:
+        torch.testing.assert_close(sums[k], want_sums[k], rtol=1e-5, atol=1e-6)

@@ -1,23 +1,16 @@
 """``batchrules::scaled_gram``, a clipped sum as one op (Note [The clipped sum as one op] in
 csrc/dp/scaled_gram/kernel.cpp): ``sum_i c_i x_i^T y_i`` on oneDNN's matmul where its rows are
-packed, aten's mm otherwise, and the same op inside a compiled DP step."""
+packed, aten's mm otherwise (the compiled DP step that runs it: test_dp_gemm.py)."""
 import pytest
 import torch
-import torch.nn.functional as F
+from dp_reference import clipped_sum
 from torch.profiler import profile
 
-import batchrules
-from batchrules.dp import gemm
+import batchrules  # noqa: F401  (loads the operators)
 
 scaled_gram = torch.ops.batchrules.scaled_gram.default
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
-                                  reason="torch built without oneDNN")
 # torch.backends.mkldnn.flags' own warning, on every call
 pytestmark = pytest.mark.filterwarnings("ignore:TF32 acceleration")
-
-
-def reference(x, y, c):
-    return torch.einsum("b,btm,btn->mn", c.double(), x.double(), y.double())
 
 
 def operands(batch, rows, m, n, dtype=torch.float32, seed=0):
@@ -44,7 +37,7 @@ def test_equals_the_float64_sum(batch, rows, m, n, dtype, onednn) -> None:
         got = scaled_gram(x, y, c)
     assert got.shape == (m, n) and got.dtype == dtype and got.is_contiguous()
     tol = 1e-5 if dtype == torch.float32 else 1e-12
-    torch.testing.assert_close(got.double(), reference(x, y, c), rtol=tol, atol=tol)
+    torch.testing.assert_close(got.double(), clipped_sum(x, y, c), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("layout, onednn", [("packed", True), ("transposed memory", True),
@@ -62,7 +55,7 @@ def test_onednn_runs_only_on_packed_rows(layout, onednn, narrow_first) -> None:
     if not narrow_first:
         x, y = y, x
     got, ran = ran_onednn(lambda: scaled_gram(x, y, c))
-    torch.testing.assert_close(got.double(), reference(x, y, c), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double(), clipped_sum(x, y, c), rtol=1e-5, atol=1e-5)
     if torch.backends.mkldnn.is_available():
         assert ran == onednn
 
@@ -98,32 +91,3 @@ def test_bad_dtypes_name_them() -> None:
         scaled_gram(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4, dtype=torch.float64), torch.zeros(2))
     with pytest.raises(RuntimeError, match="floating-point tensors, but got Long"):
         scaled_gram(*(torch.zeros(s, dtype=torch.long) for s in ((2, 3, 4), (2, 3, 4), (2,))))
-
-
-@needs_onednn
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_a_compiled_step_sums_on_the_op(backend, monkeypatch) -> None:
-    """Compiled, clipped_grad forms a wide float32 layer's sum with the same op as eager (it was
-    Inductor's mm), equal to eager."""
-    monkeypatch.setattr(gemm, "_ONEDNN_PREFERRED", True)
-    g = torch.Generator().manual_seed(0)
-    params = {"w1": torch.randn(256, 196, generator=g) / 14, "b1": torch.zeros(256),
-              "w2": torch.randn(10, 256, generator=g) / 16, "b2": torch.zeros(10)}
-    x, y = torch.randn(64, 196, generator=g), torch.randint(0, 10, (64,), generator=g)
-
-    def loss(p, xi, yi):
-        h = F.silu(F.linear(xi, p["w1"], p["b1"]))
-        return F.cross_entropy(F.linear(h, p["w2"], p["b2"]), yi)
-
-    step = batchrules.clipped_grad(loss, 0.5)
-    want_sums, want_norms = step(params, x, y)
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda p, a, b: step(p, a, b), fullgraph=True, backend=backend)
-    compiled(params, x, y)
-    with profile() as prof:
-        sums, norms = compiled(params, x, y)
-    names = {e.name for e in prof.events()}
-    assert "batchrules::scaled_gram" in names and "mkldnn::_linear_pointwise" in names
-    torch.testing.assert_close(norms, want_norms, rtol=1e-5, atol=1e-6)
-    for k in params:
-        torch.testing.assert_close(sums[k], want_sums[k], rtol=1e-5, atol=1e-6)
