@@ -22,6 +22,7 @@ from .activations import *  # noqa: F401, F403  (silu, silu_backward, mish, ...)
 from .activations import __all__ as _activation_entries
 from .compile import install as _install_compile_hooks
 from .dp import clipped_grad
+from .ensemble import ensemble_vmap
 from .linear import linear, linear_backward
 from .routing import disable, enable, enabled, is_enabled
 
@@ -35,7 +36,7 @@ def _register_sharding_strategies(_module: object) -> None:
 _install_compile_hooks()
 _when_imported("torch.distributed.tensor", _register_sharding_strategies)
 
-__all__ = ["linear", "linear_backward", *_activation_entries, "clipped_grad", "enable", "disable",
-           "enabled", "is_enabled"]
+__all__ = ["linear", "linear_backward", *_activation_entries, "clipped_grad", "ensemble_vmap", "enable",
+           "disable", "enabled", "is_enabled"]
 
 __version__ = "0.1.0"

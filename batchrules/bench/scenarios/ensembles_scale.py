@@ -9,6 +9,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+import batchrules
+from batchrules.ensemble import TRIAL_CALLS
+
 from ..baselines import hand_written
 from ..case import Case, CaseSetup, Variant, stock_and_batchrules, vmap_identity
 from ..models import Critic, MlpSpec, in_float64, mlp, mse, stacked_ensemble
@@ -60,8 +63,25 @@ CHUNK_SIZES = (1, 4)
 SCALE_TARGETS: List[Target] = [
     Speedup("no regression against stock (stock / batchrules >= 0.97)", "stock", "batchrules", 0.97),
     Speedup("not slower than the member loop (loop / batchrules >= 1)", "loop", "batchrules", 1.0),
+    Speedup("ensemble_vmap not slower than the member loop (loop / ensemble_vmap >= 1)", "loop",
+            "ensemble_vmap", 1.0),
     KernelsPerLinear(),
 ]
+
+
+def ensemble_vmap_variant(func: Callable[..., Any], in_dims: Any, args: Sequence[Any]) -> Variant:
+    """``batchrules.ensemble_vmap(func, in_dims)`` on ``args``, routed, timed once
+    its choice is made: the first call runs the trial calls."""
+    step = batchrules.ensemble_vmap(func, in_dims=in_dims)
+    settled: List[bool] = []
+
+    def run() -> Any:
+        if not settled:
+            for _ in range(TRIAL_CALLS):
+                step(*args)
+            settled.append(True)
+        return step(*args)
+    return Variant("ensemble_vmap", run, routing=True)
 
 
 def member_loop_train(models: Sequence[nn.Module], x: Tensor, y: Tensor, shared: bool
@@ -109,7 +129,8 @@ def scale_train_setup(models: Sequence[nn.Module], x: Tensor, y: Tensor, shared:
     chunked = [Variant(f"stock_chunk{c}", step(c), routing=False) for c in CHUNK_SIZES]
     loop = Variant("loop", member_loop_train(models, x, y, shared),
                    reference=lambda: [g for row in per_member() for g in row])
-    return CaseSetup([*stock_and_batchrules(user_code), Variant("limit", limit(params)), loop, *chunked],
+    return CaseSetup([*stock_and_batchrules(user_code), Variant("limit", limit(params)), loop, *chunked,
+                      ensemble_vmap_variant(grad(member_loss), in_dims, (params, buffers, x, y))],
                      lambda: [torch.stack(g) for g in zip(*per_member())],
                      floor=vmap_identity(in_dims, (params, buffers, x, y), returned=0))
 
@@ -166,7 +187,8 @@ def forward_case(row: ScaleRow) -> Case:
         return CaseSetup([*stock_and_batchrules(user_code), Variant(
             "limit", lambda: hand_written.ensemble_forward(layers, spec.act, x, row.shared)),
             Variant("loop", loop), *(Variant(f"stock_chunk{c}", chunked(c), routing=False)
-                                     for c in CHUNK_SIZES)],
+                                     for c in CHUNK_SIZES),
+            ensemble_vmap_variant(forward, in_dims, (params, buffers, x))],
             reference=reference, floor=vmap_identity(in_dims, (params, buffers, x)))
 
     return Case(row.scenario, row.name, "large", spec.n_linears,
@@ -223,7 +245,8 @@ def critics_case(size: CriticSize = REDQ) -> Case:
         targets = target.expand(size.critics, *target.shape)
         return CaseSetup([*stock_and_batchrules(user_code), Variant(
             "limit", lambda: hand_written.ensemble_mse_grads(layers, "relu", sa, targets)),
-            Variant("loop", loop, reference=lambda: [g for row in per_member() for g in row])],
+            Variant("loop", loop, reference=lambda: [g for row in per_member() for g in row]),
+            ensemble_vmap_variant(grad(critic_loss), 0, (params, buffers))],
             lambda: [torch.stack(g) for g in zip(*per_member())],
             floor=vmap_identity((0, 0), (params, buffers), returned=0))
 
