@@ -87,6 +87,7 @@ def _forward_case(size: EnsembleSize, shared: bool) -> Case:
         in_f = spec.sizes[0]
         x = torch.randn((size.batch, in_f) if shared else (size.members, size.batch, in_f), device=device)
         in_dims = (0, 0, None if shared else 0)
+
         def forward(p: Dict[str, Tensor], b: Dict[str, Tensor], xi: Tensor) -> Tensor:
             return functional_call(base, (p, b), (xi,))
         ensemble = vmap(forward, in_dims=in_dims)

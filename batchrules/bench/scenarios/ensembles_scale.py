@@ -1,7 +1,8 @@
 """Ensembles at the sizes RL critics and deep ensembles train (members of
 hidden 128-512, batch 256-1024): vmap over stacked members next to what a user
-writes without vmap, a Python loop over the ``nn.Module``s, and stock
-``vmap(chunk_size=...)``. --quick runs two rows and the critics, --full all."""
+writes without vmap, a Python loop over the ``nn.Module``s, stock
+``vmap(chunk_size=...)`` and ``batchrules.ensemble_vmap``. --quick runs two
+rows and the critics, --full all."""
 import functools
 from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence
 
@@ -9,9 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-import batchrules
-from batchrules.ensemble import TRIAL_CALLS
-
+from ...ensemble import TRIAL_CALLS, ensemble_vmap
 from ..baselines import hand_written
 from ..case import Case, CaseSetup, Variant, stock_and_batchrules, vmap_identity
 from ..models import Critic, MlpSpec, in_float64, mlp, mse, stacked_ensemble
@@ -72,7 +71,7 @@ SCALE_TARGETS: List[Target] = [
 def ensemble_vmap_variant(func: Callable[..., Any], in_dims: Any, args: Sequence[Any]) -> Variant:
     """``batchrules.ensemble_vmap(func, in_dims)`` on ``args``, routed, timed once
     its choice is made: the first call runs the trial calls."""
-    step = batchrules.ensemble_vmap(func, in_dims=in_dims)
+    step = ensemble_vmap(func, in_dims=in_dims)
     settled: List[bool] = []
 
     def run() -> Any:
