@@ -116,22 +116,24 @@ class PrivateModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() and not self.fsdp_modules:
             return self._traced_forward(args, kwargs)
-        if not torch.is_grad_enabled() or not self.trainable_parameters():
+        named = self.trainable_parameters() if torch.is_grad_enabled() else []
+        if not named:
             return self._module(*args, **kwargs)
         self._check_optimizer()
         refuse_batch_norm(self._batch_norms)
         batch = batch_size(args, kwargs)
-        owners = [p for _, p in self.trainable_parameters()]  # FSDP's sharded ones: the optimizer's
-        if self.fsdp_modules and not self._unsharded:
-            unshard(self.fsdp_modules)
-            self._unsharded = True
+        owners = [p for _, p in named]  # FSDP's sharded ones: the optimizer's
+        if self.fsdp_modules:
+            if not self._unsharded:
+                unshard(self.fsdp_modules)
+                self._unsharded = True
+            named = self.trainable_parameters()  # the full parameters the forward runs with
         with hooks_set_aside(self.fsdp_modules):
             if batch == 0:  # nothing to clip; counted as a backward, as Opacus counts it
                 self._backwards += 1
-                named = self.trainable_parameters()
                 leaf_of = {n: p.leaf for (n, _), p in zip(named, leaves(named))}
                 return functional_call(self._module, leaf_of, args, kwargs, strict=False)
-            out = recorded_forward(self._module, self.trainable_parameters(), args, kwargs, batch,
+            out = recorded_forward(self._module, named, args, kwargs, batch,
                                    functools.partial(self._clip, owners))
         if self.first_step is not None and not self.first_step.started:
             self.first_step.watch(args, kwargs, out, batch)
