@@ -60,12 +60,12 @@ class _Trial:
         self.choice: Optional[str] = "batched" if members is None else None
 
     def next(self) -> Tuple[str, bool]:
-        if self.choice is not None:
-            return self.choice, False
+        if self.choice is not None or not self.plan:
+            return self.choice or "batched", False
         return self.plan[0]
 
     def record(self, strategy: str, timed: bool, seconds: float) -> None:
-        if self.choice is not None:
+        if self.choice is not None or not self.plan:  # calls from several threads may overlap
             return
         self.plan.popleft()
         if timed:

@@ -3,6 +3,7 @@ serves a call (one batched call, a loop over the members, or the trial calls
 that choose between them): equal to the member loop in float64, for shared and
 per-member inputs, members on any axis, pytrees of in/out dims, every randomness
 mode; the faster strategy is the one chosen; vmap's errors unchanged."""
+import threading
 import time
 from typing import Any, List
 
@@ -176,3 +177,24 @@ def test_empty_batch_and_no_members(strategy: str) -> None:
     assert_close(got, {k: torch.zeros_like(v) for k, v in p.items()})
     no_members = ensemble_vmap(torch.sin, strategy=strategy)
     torch.testing.assert_close(no_members(torch.ones(0, 3)), vmap(torch.sin)(torch.ones(0, 3)))
+
+
+def test_calls_from_several_threads() -> None:
+    """Trial calls overlapping in threads still return vmap's results and settle on a choice."""
+    p, x, y = ensemble_inputs(3, 4, shared=True)
+    step = ensemble_vmap(grad(mse_of("relu")), in_dims=(0, None, 0))
+    want = loop_grads(p, x, y, "relu", shared=True)
+    results: List[Params] = []
+
+    def worker() -> None:
+        for _ in range(TRIAL_CALLS):
+            results.append(step(p, x, y))
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 3 * TRIAL_CALLS
+    for got in results:
+        assert_close(got, want)
+    assert step.strategy(p, x, y) in ("batched", "members")
