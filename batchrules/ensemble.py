@@ -82,7 +82,7 @@ class EnsembleVmap:
         if strategy not in STRATEGIES:
             raise ValueError(f"ensemble_vmap: strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.func, self.in_dims, self.out_dims, self.randomness = func, in_dims, out_dims, randomness
-        self.forced = strategy
+        self.requested = strategy
         self.batched = vmap(func, in_dims, out_dims, randomness)
         # vmap's None out_dims (an unbatched output) has no member loop
         self.loopable = strategy != "batched" and all(isinstance(d, int) for d in tree_flatten(out_dims)[0])
@@ -121,7 +121,7 @@ class EnsembleVmap:
             members = None if dims is None else _member_count(leaves, dims)
             if members == 0 or not all(t.device.type == "cpu" for t in _tensors(leaves, kwargs)):
                 members = None  # nothing to loop over, or GPUs: one launch beats E
-            trial = _Trial(dims, members, None if self.forced == "auto" else self.forced)
+            trial = _Trial(dims, members, None if self.requested == "auto" else self.requested)
             if len(self.trials) == MAX_SIGNATURES:
                 self.trials.popitem(last=False)
             self.trials[key] = trial

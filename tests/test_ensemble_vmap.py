@@ -2,7 +2,8 @@
 serves a call (one batched call, a loop over the members, or the trial calls
 that choose between them): equal to the member loop in float64, for shared and
 per-member inputs, members on any axis, pytrees of in/out dims, every randomness
-mode; the faster strategy is the one chosen; vmap's errors unchanged."""
+mode, a vmapped ``func``, calls from several threads; the faster strategy is the
+one chosen; vmap's errors unchanged."""
 import threading
 import time
 from typing import Any, List
@@ -198,3 +199,16 @@ def test_calls_from_several_threads() -> None:
     for got in results:
         assert_close(got, want)
     assert step.strategy(p, x, y) in ("batched", "members")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_members_of_a_vmapped_function(strategy: str) -> None:
+    """Per-sample gradients of each member: ensemble_vmap over vmap(grad(...))
+    equals the nested vmap, the member loop running the inner vmap per member."""
+    p, x, y = ensemble_inputs(3, 5, shared=True)
+    per_sample = vmap(grad(lambda q, xi, yi: F.mse_loss(mlp(q, xi, "silu"), yi)), in_dims=(None, 0, 0))
+    want = vmap(per_sample, in_dims=(0, None, 0))(p, x, y)
+    step = ensemble_vmap(per_sample, in_dims=(0, None, 0), strategy=strategy)
+    with batchrules.enabled():
+        for _ in range(TRIAL_CALLS + 1):
+            assert_close(step(p, x, y), want)
