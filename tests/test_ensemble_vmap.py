@@ -124,10 +124,12 @@ def test_batched_inside_transforms_and_equal() -> None:
 
     def loss(q: Params) -> Tensor:
         return F.mse_loss(forward(q, x), y)
-    assert_close(grad(loss)(p), grad(lambda q: F.mse_loss(vmap(lambda qi: mlp(qi, x, "silu"))(q), y))(p))
+
+    def vmap_loss(q: Params) -> Tensor:
+        return F.mse_loss(vmap(lambda qi: mlp(qi, x, "silu"))(q), y)
+    assert_close(grad(loss)(p), grad(vmap_loss)(p))
     stacked = {k: torch.stack([v, 2 * v]) for k, v in p.items()}
-    assert_close(vmap(grad(loss))(stacked), vmap(grad(lambda q: F.mse_loss(
-        vmap(lambda qi: mlp(qi, x, "silu"))(q), y)))(stacked))
+    assert_close(vmap(grad(loss))(stacked), vmap(grad(vmap_loss))(stacked))
 
 
 def test_members_strategy_backpropagates_outside_transforms() -> None:
