@@ -122,6 +122,28 @@ def test_cells(routing, kinds, cell) -> None:
     only_rules(kinds)
 
 
+@pytest.mark.parametrize("name", [*LAYERS, "lstm_cell", "gru_cell"])
+def test_empty_batch(routing, name: str) -> None:
+    """A Poisson-sampled batch may be empty: eager runs it, and so does
+    clipped_grad, whose rules then see a layer over B = 0 samples."""
+    if name.endswith("_cell"):
+        model = Unrolled((nn.LSTMCell if name == "lstm_cell" else nn.GRUCell)(3, 4)).double()
+    else:
+        rnn = LAYERS[name]()
+        model = (LastStep(rnn) if rnn.batch_first else nn.Sequential(Transpose(), LastStep(rnn))).double()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, y = torch.randn(0, 5, 3, dtype=torch.float64), torch.zeros(0, dtype=torch.int64)
+    assert model(x).shape == (0, 3)  # eager
+
+    def loss(p, xi, yi):
+        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    sums, norms = batchrules.clipped_grad(loss, 0.5)(params, x, y)
+    assert norms.shape == (0,) and sums.keys() == params.keys()
+    for k, s in sums.items():
+        assert s.shape == params[k].shape and not s.any(), k
+
+
 def test_projection_takes_the_generic_path(kinds) -> None:
     # proj_size: W_hr's gradient needs the projected states' gradients, which the
     # recurrence does not expose; every weight of the layer is then a per-sample copy.

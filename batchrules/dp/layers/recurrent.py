@@ -44,7 +44,7 @@ class HiddenUse(LinearUse):
     def set_grad(self, grad: Tensor) -> None:
         if self.reset is not None:
             hidden = self.reset.shape[-1]
-            g = grad.view(*self.reset.shape[:2], -1)
+            g = grad.view(*self.reset.shape[:2], grad.shape[-1])
             grad = torch.cat([g[..., :2 * hidden], g[..., 2 * hidden:] * self.reset], -1)
         super().set_grad(grad)
 
@@ -77,7 +77,9 @@ def _layer(tape: Tape, a: Tensor, h0: Tensor, c0: Optional[Tensor], w: Sequence[
         b_step = b_step + b_ih.detach()
     # B,T,N,GH -> T,B*N,GH: every sample's rows in one recurrence, in the
     # state's dtype (see Note [Recurrent layers under autocast])
-    folded = gates.view(batch, steps, rows, -1).transpose(0, 1).reshape(steps, batch * rows, -1)
+    gate_width = gates.shape[-1]
+    folded = gates.view(batch, steps, rows, gate_width).transpose(0, 1).reshape(
+        steps, batch * rows, gate_width)
     state = h0.dtype
     out, h_n, c_n, saved = _RECURRENCE(
         folded.to(state), h0.reshape(batch * rows, hidden),
@@ -99,18 +101,18 @@ def _layer(tape: Tape, a: Tensor, h0: Tensor, c0: Optional[Tensor], w: Sequence[
         side_by_side[..., :width] = a.detach()
     reset = None
     if mode == 1:
-        reset = saved.view(steps, batch, rows, -1)[..., :hidden].transpose(0, 1)
+        reset = saved.view(steps, batch, rows, saved.shape[-1])[..., :hidden].transpose(0, 1)
         reset = reset.reshape(batch, steps * rows, hidden)
     weight = tape.param(w_hh)
     assert weight is not None  # _handled
-    use = HiddenUse(weight, tape.param(b_hh), prev.reshape(batch, -1, hidden), tap(gates),
+    use = HiddenUse(weight, tape.param(b_hh), prev.reshape(batch, steps * rows, hidden), tap(gates),
                     reset=reset)
     tape.record(use, (), "recurrence")
     if shared_g:  # Note [Weights sharing an output gradient] in clipping.py
         input_use.grad_partners = use.grad_partners = [input_use, use]
         if joint:
-            input_use.partner_rows = use.partner_rows = side_by_side.view(batch, -1, width + hidden)
-    return out, h_n.view(batch, rows, hidden), None if c_n is None else c_n.view(batch, rows, -1)
+            input_use.partner_rows = use.partner_rows = side_by_side.view(batch, steps * rows, width + hidden)
+    return out, h_n.view(batch, rows, hidden), None if c_n is None else c_n.view(batch, rows, hidden)
 
 
 # Note [Recurrent layers under autocast]
