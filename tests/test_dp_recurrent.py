@@ -125,7 +125,8 @@ def test_cells(routing, kinds, cell) -> None:
 @pytest.mark.parametrize("name", [*LAYERS, "lstm_cell", "gru_cell"])
 def test_empty_batch(routing, name: str) -> None:
     """A Poisson-sampled batch may be empty: eager runs it, and so does
-    clipped_grad, whose rules then see a layer over B = 0 samples."""
+    clipped_grad. With has_aux the loss runs (Note [An empty batch] in
+    dp/transform.py), so the rules see a layer over B = 0 samples."""
     if name.endswith("_cell"):
         model = Unrolled((nn.LSTMCell if name == "lstm_cell" else nn.GRUCell)(3, 4)).double()
     else:
@@ -136,10 +137,11 @@ def test_empty_batch(routing, name: str) -> None:
     assert model(x).shape == (0, 3)  # eager
 
     def loss(p, xi, yi):
-        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+        logits = functional_call(model, p, (xi[None],))
+        return nn.functional.cross_entropy(logits, yi[None]), logits
 
-    sums, norms = batchrules.clipped_grad(loss, 0.5)(params, x, y)
-    assert norms.shape == (0,) and sums.keys() == params.keys()
+    (sums, norms), logits = batchrules.clipped_grad(loss, 0.5, has_aux=True)(params, x, y)
+    assert norms.shape == (0,) and logits.shape == (0, 1, 3) and sums.keys() == params.keys()
     for k, s in sums.items():
         assert s.shape == params[k].shape and not s.any(), k
 

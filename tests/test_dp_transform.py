@@ -148,6 +148,40 @@ def test_tiny_batches(batch: int) -> None:
     assert_close_rel((sums, norms), loop_clipped_grad(mlp_loss, 1.0, (params, x, y)))
 
 
+def test_empty_batch_skips_the_loss() -> None:
+    """Note [An empty batch]: zero sums and no norms, without running the loss
+    (vmap over zero samples cannot run ``reshape(-1, n)``; eager can)."""
+    calls = []
+
+    def loss(p, xi, shift):
+        calls.append(1)
+        h = F.linear((xi + shift).reshape(-1, 4), p["w1"], p["b1"]).tanh()  # [1, 4] rows
+        return F.linear(h, p["w2"], p["b2"]).square().sum()
+
+    params = {k: v.float() for k, v in mlp_params().items()}
+    x, shift = torch.randn(0, 2, 2, dtype=torch.float32), torch.zeros(2, 2, dtype=torch.float32)
+    sums, norms = batchrules.clipped_grad(loss, 1.0, in_dims=(None, 0, None))(params, x, shift)
+    assert norms.shape == (0,) and norms.dtype == torch.float32
+    assert all(not s.any() and s.shape == params[k].shape for k, s in sums.items())
+    (sums, shift_sum), norms = batchrules.clipped_grad(loss, 1.0, argnums=(0, 2),
+                                                       in_dims=(None, 0, None))(params, x, shift)
+    assert norms.shape == (0,) and not shift_sum.any() and shift_sum.shape == (2, 2)
+    assert not calls
+    with pytest.raises(ValueError, match="vmap"):  # sizes that disagree: vmap's own error
+        batchrules.clipped_grad(mlp_loss, 1.0)(mlp_params(), torch.randn(0, 4),
+                                               torch.zeros(3, dtype=torch.int64))
+
+
+def test_empty_batch_with_aux_runs_the_loss() -> None:
+    def loss(p, xi, yi):
+        logits = F.linear(F.linear(xi, p["w1"], p["b1"]).tanh(), p["w2"], p["b2"])
+        return F.cross_entropy(logits, yi), logits
+
+    (sums, norms), aux = batchrules.clipped_grad(loss, 1.0, has_aux=True)(
+        mlp_params(), torch.randn(0, 4), torch.zeros(0, dtype=torch.int64))
+    assert norms.shape == (0,) and aux.shape == (0, 3) and not any(s.any() for s in sums.values())
+
+
 def test_no_clipping_is_the_summed_gradient() -> None:
     params, x, y = mlp_params(), batched((4,), 0), labels(0)
     sums, norms = batchrules.clipped_grad(mlp_loss, 1e6)(params, x, y)

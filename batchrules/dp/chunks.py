@@ -8,13 +8,14 @@ batch runs as chunks of ``chunk_size`` samples, one ``clipped_grad`` each,
 and only the running sum (one tensor per parameter) outlives a chunk. Noise
 is then added once, to the logical batch's sum, by the caller.
 """
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from .transform import ArgNums, _in_dims, _positions, clipped_grad
+from .arguments import ArgNums, batch_sizes, dims_per_argument, map_batched, positions_of
+from .transform import clipped_grad
 
 
 def clipped_grad_chunked(loss: Callable[..., Any], max_norm: float, chunk_size: int, *,
@@ -43,7 +44,7 @@ def clipped_grad_chunked(loss: Callable[..., Any], max_norm: float, chunk_size: 
                            randomness=randomness)
 
     def chunked(*args: Any) -> Any:
-        dims = _in_dims(in_dims, _positions(argnums, len(args)), len(args))
+        dims = dims_per_argument(in_dims, positions_of(argnums, len(args)), len(args))
         batch = _batch_size(args, dims)
         total: Any = None
         norms: List[Tensor] = []
@@ -67,22 +68,8 @@ def clipped_grad_chunked(loss: Callable[..., Any], max_norm: float, chunk_size: 
     return chunked
 
 
-def _map_batched(fn: Callable[[Tensor, int], Any], arg: Any, dims: Any) -> Any:
-    """``arg`` with ``fn(t, dim)`` applied to each tensor batched along ``dim``
-    (``dims`` as vmap's in_dims for one argument: an int, None, or a prefix
-    pytree of them)."""
-    def one(d: Optional[int], sub: Any) -> Any:
-        return sub if d is None else tree_map(lambda t: fn(t, d), sub)
-
-    if dims is None or isinstance(dims, int):
-        return one(dims, arg)
-    return tree_map(one, dims, arg, is_leaf=lambda x: x is None)
-
-
 def _batch_size(args: Tuple[Any, ...], dims: Tuple[Any, ...]) -> int:
-    sizes: List[int] = []
-    for arg, d in zip(args, dims):
-        _map_batched(lambda t, dim: sizes.append(t.shape[dim]), arg, d)
+    sizes = batch_sizes(args, dims)
     if not sizes:
         raise ValueError("clipped_grad_chunked: no argument is batched (in_dims)")
     return sizes[0]
@@ -90,4 +77,4 @@ def _batch_size(args: Tuple[Any, ...], dims: Tuple[Any, ...]) -> int:
 
 def _narrow(arg: Any, dims: Any, start: int, length: int) -> Any:
     """Samples ``start:start + length`` of ``arg``, batched along ``dims``."""
-    return _map_batched(lambda t, dim: t.narrow(dim, start, length), arg, dims)
+    return map_batched(lambda t, dim: t.narrow(dim, start, length), arg, dims)

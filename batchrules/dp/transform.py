@@ -24,8 +24,6 @@ one backward; Opacus' ghost clipping needs a second backward.
 """
 import contextlib
 import functools
-import math
-import numbers
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -36,14 +34,13 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from .. import routing
 from .._compat import batched_level, current_transform_level, unwrap_batched, vmap_over_tensors
+from .arguments import ArgNums, check_argnums, check_max_norm, dims_per_argument, is_empty_batch, positions_of
 from .clipping import clip
 from .compiled_step import StepSpec, traced_clipped_grad
 from .gc_pause import paused_gc
 from .interceptor import Interceptor, intercepted_leaf
 from .layers import INTERCEPTS
 from .tape import Param, Tape
-
-ArgNums = Union[int, Tuple[int, ...]]
 
 
 def clipped_grad(loss: Callable[..., Any], max_norm: float, *, in_dims: Any = None,
@@ -95,8 +92,8 @@ def clipped_grad(loss: Callable[..., Any], max_norm: float, *, in_dims: Any = No
     floating-point tensor, and a parameter reaching the loss through a call
     the interception cannot see. ``max_norm`` is checked here.
     """
-    _check_max_norm(max_norm)
-    _check_argnums(argnums)
+    check_max_norm(max_norm)
+    check_argnums(argnums)
     if torch.compiler.is_compiling():  # the spec must exist before (Note [clipped_grad under torch.compile])
         raise RuntimeError("clipped_grad(loss, max_norm, ...) cannot be created inside a compiled "
                            "function: create it once outside, and call what it returns inside")
@@ -112,27 +109,20 @@ def clipped_grad(loss: Callable[..., Any], max_norm: float, *, in_dims: Any = No
     return clipped
 
 
-def _check_max_norm(max_norm: Any) -> None:
-    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) \
-            or not math.isfinite(max_norm) or max_norm <= 0:
-        raise ValueError(f"clipped_grad: max_norm must be a finite number > 0, got {max_norm!r}")
-
-
-def _check_argnums(argnums: Any) -> None:
-    if isinstance(argnums, bool) or not isinstance(argnums, (int, tuple)) or (
-            isinstance(argnums, tuple) and (not argnums or not all(
-                isinstance(a, int) and not isinstance(a, bool) for a in argnums))):
-        raise TypeError(f"clipped_grad: argnums must be an int or a non-empty tuple of ints, "
-                        f"got {argnums!r}")
-    if isinstance(argnums, tuple) and len(set(argnums)) != len(argnums):
-        raise ValueError(f"clipped_grad: argnums must not repeat, got {argnums}")
-
-
 @paused_gc()  # Note [No cyclic collection during a step]
 def _clipped_grad(spec: StepSpec, args: Tuple[Any, ...]) -> Any:
     return clipped_step(spec, args)
 
 
+# Note [An empty batch]
+# Poisson sampling gives empty batches, which eager PyTorch runs, but vmap over
+# zero samples does not always: functorch reshapes a BatchedTensor's physical
+# tensor with the caller's -1 (``x.reshape(-1, n)`` of a [0, ...] tensor is
+# ambiguous) and some of its rules build invalid calls (a batched conv3d's
+# groups of 0). With nothing to clip the result is known without the loss:
+# zero sums and norms of shape [0], as clip() gives them, so an empty batch
+# skips the forward. With ``has_aux`` the loss still runs: the aux's structure
+# and shapes come from it.
 def clipped_step(spec: StepSpec, args: Tuple[Any, ...], traced: bool = False) -> Any:
     """One step: the forward under vmap, the one backward, the clipping;
     ``traced``: under make_fx/AOTAutograd (Note [Intercepting while traced])."""
@@ -141,9 +131,13 @@ def clipped_step(spec: StepSpec, args: Tuple[Any, ...], traced: bool = False) ->
     if current_transform_level() is not None:
         raise RuntimeError("clipped_grad cannot run inside a torch.func transform (vmap, grad, "
                            "...): it runs its own vmap and a plain autograd backward")
-    positions = _positions(argnums, len(args))
-    dims = _in_dims(in_dims, positions, len(args))
+    positions = positions_of(argnums, len(args))
+    dims = dims_per_argument(in_dims, positions, len(args))
     params, specs = _params(args, positions, traced)
+    if not has_aux and is_empty_batch(args, dims):  # Note [An empty batch]
+        zeros, no_norms = clip(params, 0, max_norm)
+        results = tuple(_trees(zeros, specs))
+        return results if isinstance(argnums, tuple) else results[0], no_norms
     differentiated = dict(zip(positions, _trees([p.leaf for p in params], specs)))
     # The project's routed ops (attention, losses, ...) take their batching
     # rules in the forward whatever the user's routing; restored on exit.
@@ -223,34 +217,6 @@ def _backward(losses: Tensor, tape: Tape, params: List[Param]) -> None:
     tape.take_grads(grads)
     for p, g in zip(copies, grads[len(tape.uses):]):
         p.copy_grad = g
-
-
-def _positions(argnums: ArgNums, n_args: int) -> Tuple[int, ...]:
-    positions = []
-    for a in argnums if isinstance(argnums, tuple) else (argnums,):
-        if not -n_args <= a < n_args:
-            raise ValueError(f"clipped_grad: argnums {argnums} out of range for {n_args} "
-                             "positional arguments")
-        positions.append(a % n_args)
-    if len(set(positions)) != len(positions):
-        raise ValueError(f"clipped_grad: argnums {argnums} name an argument twice")
-    return tuple(positions)
-
-
-def _in_dims(in_dims: Any, positions: Tuple[int, ...], n_args: int) -> Tuple[Any, ...]:
-    if in_dims is None:
-        return tuple(None if i in positions else 0 for i in range(n_args))
-    dims = (in_dims,) * n_args if isinstance(in_dims, int) else in_dims
-    if not isinstance(dims, tuple) or len(dims) != n_args:
-        raise ValueError(f"clipped_grad: in_dims must be an int or a tuple with one entry per "
-                         f"positional argument ({n_args}), got {in_dims!r}")
-    for i in positions:
-        if any(d is not None for d in tree_flatten(dims[i])[0]):
-            raise ValueError(
-                f"clipped_grad: argument {i} is differentiated (argnums) and must be unbatched, "
-                f"but in_dims gives it {dims[i]!r}: its per-sample gradients are what clipped_grad "
-                f"avoids forming. Use None there (e.g. in_dims=(None, 0, 0)), or omit in_dims")
-    return dims
 
 
 def _params(args: Tuple[Any, ...], positions: Tuple[int, ...],
