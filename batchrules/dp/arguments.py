@@ -79,8 +79,15 @@ def batch_sizes(args: Tuple[Any, ...], dims: Tuple[Any, ...]) -> List[int]:
 def is_empty_batch(args: Tuple[Any, ...], dims: Tuple[Any, ...]) -> bool:
     """Whether every batched leaf is a tensor with no samples along its dim
     (inputs vmap would reject are left to vmap, which names why)."""
-    try:
-        sizes = batch_sizes(args, dims)
-    except (AttributeError, IndexError, TypeError, ValueError):  # a non-tensor, a dim out of range
-        return False
+    sizes: List[int] = []
+    for arg, d in zip(args, dims):
+        if isinstance(arg, Tensor) and isinstance(d, int):  # most calls: no pytree walk
+            if not -arg.dim() <= d < arg.dim():
+                return False
+            sizes.append(arg.shape[d])
+        elif d is not None:
+            try:
+                sizes += batch_sizes((arg,), (d,))
+            except (AttributeError, IndexError, TypeError, ValueError):  # a non-tensor, a dim out of range
+                return False
     return bool(sizes) and not any(sizes)
