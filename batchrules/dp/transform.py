@@ -81,10 +81,12 @@ def clipped_grad(loss: Callable[..., Any], max_norm: float, *, in_dims: Any = No
     Returns:
         A function returning ``(clipped_sum, norms)``: ``clipped_sum`` has the
         structure of the differentiated argument (a tuple of them for a tuple
-        ``argnums``), ``norms`` is ``[B]``. Under ``torch.autocast`` the
-        forward and backward run in the low precision as usual, while norms,
-        clipping coefficients and clipped sums are formed in the parameters'
-        dtype (float32 for float32 parameters; Note [clipped_grad under autocast]).
+        ``argnums``), ``norms`` is ``[B]``. An empty batch (B = 0) gives zero
+        sums without running the loss, unless ``has_aux`` (Note [An empty
+        batch]). Under ``torch.autocast`` the forward and backward run in the
+        low precision as usual, while norms, clipping coefficients and clipped
+        sums are formed in the parameters' dtype (float32 for float32
+        parameters; Note [clipped_grad under autocast]).
 
     Raises at the call (ValueError / TypeError / RuntimeError, naming the
     problem): a loss that is not a scalar per sample, batch sizes that
