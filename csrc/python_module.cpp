@@ -104,6 +104,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "_mkl_gemm_beats_onednn", &batchrules::mkl_gemm_beats_onednn,
       "Whether aten's MKL GEMM is preferred to oneDNN's here (Note [MKL or oneDNN by CPU vendor])");
+  m.def("_intel_cpu", &batchrules::intel_cpu,
+        "Whether small LSTM ensembles take the recurrence (Note [MKL or oneDNN by CPU vendor])");
   m.def("_mkl_packed_gemm", &batchrules::mkl_packed_gemm,
         "Whether recurrences pack W_hh once for all steps (Note [One packed W_hh for all steps])");
   m.def("_anchor", &batchrules::anchor, py::arg("out"),

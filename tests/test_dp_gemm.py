@@ -87,13 +87,30 @@ def test_any_width_on_few_rows(onednn_calls) -> None:
     assert len(onednn_calls) == 1
 
 
-def test_mkl_where_it_is_the_faster() -> None:
-    """Note [MKL or oneDNN by CPU vendor]: MKL's sgemm on an Intel CPU with
-    aten's MKL, oneDNN's matmul elsewhere (torch.mm always where oneDNN is absent)."""
+def cpu_fields():
+    """The first processor's vendor, family and flags from /proc/cpuinfo."""
+    fields = {}
     with open("/proc/cpuinfo") as f:
-        intel = "GenuineIntel" in next((line for line in f if line.startswith("vendor_id")), "")
-    mkl = torch.backends.mkl.is_available() and intel
+        for line in f:
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+            if key.strip() == "flags":
+                break
+    return fields
+
+
+def test_mkl_where_it_is_the_faster() -> None:
+    """Note [MKL or oneDNN by CPU vendor]: MKL's sgemm on an Intel CPU or a Zen 3
+    (AMD family 25 without AVX-512) with aten's MKL, oneDNN's matmul elsewhere
+    (torch.mm always where oneDNN is absent); the small LSTM ensembles' choice
+    on Intel only."""
+    cpu = cpu_fields()
+    intel = cpu.get("vendor_id") == "GenuineIntel"
+    zen3 = (cpu.get("vendor_id") == "AuthenticAMD" and cpu.get("cpu family") == "25"
+            and "avx512f" not in cpu.get("flags", "").split())
+    mkl = torch.backends.mkl.is_available() and (intel or zen3)
     assert _C._mkl_gemm_beats_onednn() == mkl
+    assert _C._intel_cpu() == intel
     assert gemm._ONEDNN_PREFERRED == (torch.backends.mkldnn.is_available() and not mkl)
 
 

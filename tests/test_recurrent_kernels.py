@@ -39,8 +39,8 @@ def member_grads(models, x) -> Dict[str, Tensor]:
 def small_members(rows: int, hidden: int) -> bool:
     """Whether an ensemble's members take the recurrence by their size: fewer
     than 8 rows, or fewer than kMinOneDnnMemberWork = 768 rows x hidden
-    where MKL's GEMM is the faster (Note [oneDNN's LSTM layer under transforms])."""
-    return rows < 8 or (rows * hidden < 768 and _C._mkl_gemm_beats_onednn())
+    on an Intel CPU (Note [oneDNN's LSTM layer under transforms])."""
+    return rows < 8 or (rows * hidden < 768 and _C._intel_cpu())
 
 
 @pytest.mark.parametrize("rows,hidden", [(12, 64), (10, 4), (2, 64)])

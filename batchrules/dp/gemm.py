@@ -4,7 +4,7 @@ Note [oneDNN for the clipped sums]
 A layer's clipped sum is one GEMM over all B*T recorded rows, ``[R, M]`` and
 ``[R, N]`` to ``[M, N]``, with each sample's clipping coefficient folded into
 the narrower operand. On the CPU aten runs a float32 GEMM as MKL's sgemm; on
-an AMD EPYC, oneDNN's matmul (the library aten already runs convolutions and
+an AMD EPYC with AVX-512 or a Zen 2, oneDNN's matmul (the library aten already runs convolutions and
 LSTM layers with) computes most of these shapes faster, to the same float32
 accuracy, but on a Zen 2 one it was the slower where the wider operand is
 both wide and long (GPT-2's ``c_attn`` and head; the measurements:
@@ -24,9 +24,9 @@ sgemm instead (peak memory before speed). Every other case is ``torch.mm``:
 float64, CUDA, no oneDNN, and a wider operand whose rows are not packed one
 after the other: overlapping (the stride-0 gradient of a sum) or spaced (a
 slice, as a [CLS] token's rows), for which oneDNN runs a reference kernel,
-orders of magnitude slower. Where MKL's sgemm is the faster (an Intel CPU:
-Note [MKL or oneDNN by CPU vendor] in csrc/common/cpu_gemm.h) every sum is
-``torch.mm`` (``_ONEDNN_PREFERRED``).
+orders of magnitude slower. Where MKL's sgemm is the faster (an Intel CPU, a
+Zen 3: Note [MKL or oneDNN by CPU vendor] in csrc/common/cpu_gemm.h) every
+sum is ``torch.mm`` (``_ONEDNN_PREFERRED``).
 """
 from typing import Tuple
 

@@ -18,11 +18,10 @@
 //    vmap);
 //  - batched weights need at least 8 rows a member in both, below which one
 //    bmm over all members (hypernetworks: one row each) beats a loop of
-//    small fused calls; where MKL's GEMM is the faster (Note [MKL or oneDNN
-//    by CPU vendor]) an ensemble also needs at least kMinOneDnnMemberWork
-//    rows x hidden a member: below it the recurrence's batched GEMMs (with
-//    Note [A step's GEMM]) beat the loop of oneDNN layers, in inference and
-//    training;
+//    small fused calls; on an Intel CPU (Note [MKL or oneDNN by CPU vendor])
+//    an ensemble also needs at least kMinOneDnnMemberWork rows x hidden a
+//    member: below it the recurrence's batched GEMMs (with Note [A step's
+//    GEMM]) beat the loop of oneDNN layers, in inference and training;
 //  - anything else, per-sample weight gradients above all (vmap(grad) with
 //    shared weights): rnn_recurrence, whose weight gradients are one bmm per
 //    sample; or its decomposition under higher-order transforms.
@@ -98,7 +97,7 @@ LstmKernel lstm_kernel(const Tensor& input, at::TensorList hx, at::TensorList pa
   const WeightBatching weights = weight_batching(params);
   const bool few_rows = input.dim() != 3 || input.size(batch_first ? 0 : 1) < kMinRowsPerMember;
   const bool training = inside_grad_transform();
-  const bool small = mkl_gemm_beats_onednn() && small_members(hx);
+  const bool small = intel_cpu() && small_members(hx);
   if (weights.per_example || (weights.somewhere && (few_rows || small))) {
     return LstmKernel::Recurrence;
   }
