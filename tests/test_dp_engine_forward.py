@@ -115,6 +115,53 @@ def test_per_sample_copies_and_an_inplace_relu():
     check(mlp, (torch.randn(5, 4),), torch.randint(0, 3, (5,)))
 
 
+class LinearInputs(nn.Module):
+    """One linear over a batch-first input, a flattened batch's rows, a
+    sample's leading dims, and a row shared by the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        flat = self.lin(x.reshape(-1, 4)).view(x.shape[0], -1, 3)  # [B*2, I]: sample i's 2 rows
+        shared = self.lin(torch.ones(1, 4, dtype=x.dtype))  # [1, I]: the per-call vmap
+        return self.lin(x).sum(1) + flat.sum(1) + shared + self.lin(x[:, 0])
+
+
+def test_linear_on_the_plain_batch(monkeypatch):
+    """Note [A rule on the plain batch]: a linear of a [k*B, ..., I] input and
+    an addmm of a [k*B, I] one run without the per-call vmap, a shared row with
+    it; all equal to the per-sample loop."""
+    from batchrules.dp import batched_forward
+
+    levels = []
+    real = batched_forward.vmap_level
+
+    def counted(*args):
+        levels.append(args)
+        return real(*args)
+
+    def forward_levels(model, x):
+        levels.clear()
+        private = PrivateModule(model, validate=False)
+        DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=private,
+                    noise_multiplier=0.0, max_grad_norm=C, expected_batch_size=5)
+        private(x)
+        return len(levels)
+
+    monkeypatch.setattr(batched_forward, "vmap_level", counted)
+    x = torch.randn(5, 2, 4)
+    check(LinearInputs(), (x,), torch.randint(0, 3, (5,)))
+    assert forward_levels(LinearInputs(), x) == 1  # the shared row's
+    def mlp():
+        return nn.Sequential(nn.Linear(4, 6), nn.SiLU(), nn.Linear(6, 3))
+
+    check(mlp(), (x[:, 0],), torch.randint(0, 3, (5,)))
+    assert forward_levels(mlp(), x[:, 0]) == 0
+    assert forward_levels(FlatRows(), x) == 0  # addmm of [B*T, I] (test_rows_of_a_flattened_batch)
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_recurrent_layers(batch_first):
     check(Recurrent(batch_first), (torch.randn(5, 3, 4),), torch.randint(0, 3, (5,)))

@@ -26,6 +26,15 @@ whose function holds the batch elsewhere (a recurrent layer's states,
 attention's sequence-first inputs) says where (``Rule.batch_dims``). Shapes
 can mislead (a tensor whose dim 0 happens to be B); the engine's first-step
 validation compares the result with samples run one at a time.
+
+Note [A rule on the plain batch]
+Under the per-call vmap a rule unwraps its BatchedTensors to the physical
+batch-first tensors and wraps its physical result again: a level, a wrap per
+argument and a pytree walk each way, for an op that works on the physical
+batch anyway. A rule that can read the engine's plain tensors directly
+(``Rule.intercept_batch_first``: a linear of a ``[B, ..., I]`` input, whose
+sample i is what the vmap would hand it) is asked first, and the vmap runs
+only where it declines.
 """
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -33,7 +42,7 @@ from torch import Tensor
 from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_unflatten
 
 from .._compat import add_batch_dim, batched_level, remove_batch_dim, vmap_level
-from .rule import BATCH_DIMS, NOT_SPLIT
+from .rule import BATCH_DIMS, BATCH_FIRST, NOT_HANDLED, NOT_SPLIT
 from .tape import Tape
 
 # A call's randomness (dropout inside a call that takes a parameter) per
@@ -45,6 +54,11 @@ def per_sample_call(tape: Tape, handle: Callable[[Callable, Tuple[Any, ...], Dic
                     func: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """``func(*args, **kwargs)`` split per sample (see the Note); ``handle``
     runs it at the tape's level (the Interceptor's rule-or-copies path)."""
+    batch_first = BATCH_FIRST.get(func)  # Note [A rule on the plain batch]
+    if batch_first is not None:
+        out = batch_first(tape, args, kwargs)
+        if out is not NOT_HANDLED:
+            return out
     batch = tape.batch_size
     leaves, spec = tree_flatten((args, kwargs))
     declared = _declared(func, args, kwargs)

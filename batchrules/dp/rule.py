@@ -42,6 +42,14 @@ class Rule:
         raise NotImplementedError
 
     @classmethod
+    def intercept_batch_first(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """In the engine's batched forward, the call on its plain batch-first
+        tensors without the per-call vmap (Note [A rule on the plain batch] in
+        batched_forward.py): its result, or NOT_HANDLED. A rule that defines it
+        is looked up first."""
+        return NOT_HANDLED
+
+    @classmethod
     def batch_dims(cls, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[Any, Any]]:
         """In the engine's batched forward, where the call holds the batch
         (Note [A batched forward, one vmap per call] in batched_forward.py):
@@ -191,6 +199,8 @@ BatchDims = Callable[[Tuple[Any, ...], Dict[str, Any]], Optional[Tuple[Any, Any]
 INTERCEPTS: Dict[Callable, Intercept] = {}
 # The functions whose rule lays the batch elsewhere than dim 0 (Rule.batch_dims).
 BATCH_DIMS: Dict[Callable, BatchDims] = {}
+# The functions whose rule runs the engine's call on the plain batch (Rule.intercept_batch_first).
+BATCH_FIRST: Dict[Callable, Intercept] = {}
 R = TypeVar("R", bound=Type[Rule])
 
 
@@ -203,6 +213,8 @@ def register(rule: R) -> R:
         INTERCEPTS[f] = rule.intercept
         if any("batch_dims" in vars(c) for c in rule.__mro__ if c is not Rule):
             BATCH_DIMS[f] = rule.batch_dims
+        if any("intercept_batch_first" in vars(c) for c in rule.__mro__ if c is not Rule):
+            BATCH_FIRST[f] = rule.intercept_batch_first
     return rule
 
 

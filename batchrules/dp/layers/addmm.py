@@ -24,7 +24,7 @@ from ..rule import (
     register_clipping,
 )
 from ..tape import Tape, tap, weight_for
-from .linear import LinearClipping, LinearUse, shared_bias
+from .linear import LinearClipping, LinearUse, sample_rows, shared_bias
 
 
 @register
@@ -48,9 +48,27 @@ class AddmmUse(LinearUse):
             return NOT_HANDLED
         b, x, w = bound
         a = physical(tape, x)
+        if a is None or a.dim() != 3:
+            return NOT_HANDLED
+        out = cls.recorded(tape, b, a, w)
+        return out if out is NOT_HANDLED else batched(tape, out.view(a.shape[0], a.shape[1], w.shape[1]))
+
+    @classmethod
+    def intercept_batch_first(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        bound = bind(("input", "mat1", "mat2"), (), args, kwargs)
+        if bound is None:
+            return NOT_HANDLED
+        b, x, w = bound
+        a = sample_rows(tape, x) if isinstance(x, Tensor) and x.dim() == 2 else None
+        return NOT_HANDLED if a is None else cls.recorded(tape, b, a, w)
+
+    @classmethod
+    def recorded(cls, tape: Tape, b: Any, a: Tensor, w: Tensor) -> Any:
+        """``addmm(b, a, w)`` of physical rows ``a: [B, T, I]``, recorded: the
+        fresh ``[B*T, O]`` output, or NOT_HANDLED."""
         weight, bias = tape.param(w), tape.param(b)
-        if (weight is None or a is None or w.dim() != 2 or a.dim() != 3
-                or a.shape[-1] != w.shape[0] or not autocast_matches(a, w) or a.device != w.device):
+        if (weight is None or w.dim() != 2 or a.shape[-1] != w.shape[0]
+                or not autocast_matches(a, w) or a.device != w.device):
             return NOT_HANDLED
         if bias is not None:
             if b.shape != (w.shape[1],) or b.dtype != w.dtype:
@@ -63,7 +81,7 @@ class AddmmUse(LinearUse):
         out = torch.addmm(b.detach() if bias is not None else b, flat, w_op)
         use = cls(weight, bias, flat.view(batch, rows, flat.shape[-1]), tap(out))
         tape.record(use, (flat,), "addmm")
-        return batched(tape, out.view(batch, rows, w.shape[1]))
+        return out
 
 
 @register_clipping(AddmmUse.kind)

@@ -93,6 +93,18 @@ class LinearUse(Use):
         out = recorded_linear(tape, a.reshape(batch * math.prod(lead), a.shape[-1]), batch, w, b)
         return batched(tape, out.view(batch, *lead, w.shape[0]))
 
+    @classmethod
+    def intercept_batch_first(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        bound = bind(*_LINEAR_ARGS, args, kwargs)
+        if bound is None:
+            return NOT_HANDLED
+        x, w, b = bound
+        a = sample_rows(tape, x)
+        if a is None or not ghostable(tape, a, w, b):
+            return NOT_HANDLED
+        out = recorded_linear(tape, a.reshape(a.shape[0] * a.shape[1], a.shape[-1]), a.shape[0], w, b)
+        return out.view(*x.shape[:-1], w.shape[0])
+
 
 @register_clipping(LinearUse.kind)
 class LinearClipping(Clipping[LinearUse]):
@@ -188,6 +200,18 @@ def ghostable(tape: Tape, a: Tensor, w: Any, b: Any) -> bool:
     if tape.param(b) is not None:
         return b.shape == (w.shape[0],) and b.dtype == w.dtype
     return shared_bias(tape, b)
+
+
+def sample_rows(tape: Tape, x: Any) -> Optional[Tensor]:
+    """The engine's plain ``x: [k*B, ..., I]`` (k >= 1) as each sample's rows
+    ``[B, k*..., I]``, as the per-call vmap splits it (Note [A batched
+    forward, one vmap per call]); None for anything else."""
+    batch = tape.batch_size
+    if (not isinstance(x, Tensor) or x.dim() < 2 or batch == 0 or x.shape[0] < batch
+            or x.shape[0] % batch or tape.param(x) is not None or batched_level(x) != -1):
+        return None
+    per_sample = x.shape[0] // batch * math.prod(x.shape[1:-1])
+    return x.reshape(batch, per_sample, x.shape[-1])
 
 
 def recorded_linear(tape: Tape, rows: Tensor, batch: int, w: Tensor, b: Optional[Tensor]) -> Tensor:
