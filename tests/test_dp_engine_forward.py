@@ -162,6 +162,32 @@ def test_linear_on_the_plain_batch(monkeypatch):
     assert forward_levels(FlatRows(), x) == 0  # addmm of [B*T, I] (test_rows_of_a_flattened_batch)
 
 
+class FlatLinear(nn.Module):
+    """A linear over a batch's rows flattened to ``[B*T, I]``, then per sample."""
+
+    def __init__(self, features):
+        super().__init__()
+        self.lin, self.head = nn.Linear(features, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.lin(x.reshape(x.shape[0] * x.shape[1], x.shape[-1]))
+        return self.head(h.view(x.shape[0], x.shape[1], 4).sum(1))
+
+
+@pytest.mark.parametrize("steps,features", [(0, 4), (3, 0), (0, 0)])
+@pytest.mark.parametrize("plain", [True, False])
+def test_empty_rows_and_features(steps, features, plain, monkeypatch):
+    """Zero-length sequences flattened ([0, I] rows of a batch of 5: none a
+    sample) and inputs with no features run as eager, on the plain batch
+    (Note [A rule on the plain batch]) and under the per-call vmap."""
+    from batchrules.dp import rule
+
+    if not plain:
+        monkeypatch.setattr(rule, "BATCH_FIRST", {})
+        monkeypatch.setattr("batchrules.dp.batched_forward.BATCH_FIRST", {})
+    check(FlatLinear(features), (torch.randn(5, steps, features),), torch.randint(0, 3, (5,)))
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_recurrent_layers(batch_first):
     check(Recurrent(batch_first), (torch.randn(5, 3, 4),), torch.randint(0, 3, (5,)))

@@ -172,6 +172,30 @@ def test_empty_batch_skips_the_loss() -> None:
                                                torch.zeros(3, dtype=torch.int64))
 
 
+class ZeroFeatures(nn.Module):
+    """A linear over inputs with no features, ``Linear(0, 4)`` on T rows (eager runs it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(0, 4), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.lin(x).sum(1))  # x: [N, T, 0]
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_zero_features(steps: int) -> None:
+    """No reshape infers a dim (``-1``) that no features make ambiguous."""
+    model = ZeroFeatures()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, xi, yi):
+        return F.cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    args = (params, torch.randn(4, steps, 0), torch.tensor([0, 1, 2, 0]))
+    assert_close_rel(batchrules.clipped_grad(loss, 0.5)(*args), loop_clipped_grad(loss, 0.5, args))
+
+
 def test_empty_batch_with_aux_runs_the_loss() -> None:
     def loss(p, xi, yi):
         logits = F.linear(F.linear(xi, p["w1"], p["b1"]).tanh(), p["w2"], p["b2"])

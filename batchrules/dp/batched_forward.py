@@ -14,7 +14,8 @@ tensor argument is read by its shape:
 - dim 0 of the batch's size B: sample i's piece is row i with dim 0 kept
   (``[1, ...]``, a batch of one), so that the call's dims keep their meaning;
 - dim 0 of size k*B (the rows of a flattened batch-first tensor, as
-  ``x.view(-1, I)`` before an addmm): sample i's piece is its k rows;
+  ``x.view(-1, I)`` before an addmm; k = 0 for zero-length sequences):
+  sample i's piece is its k rows;
 - dim 0 of size 1: shared by the samples (broadcast over the batch);
 - anything else, or a call with no argument of the batch: the call cannot be
   split; it runs on the leaves themselves, and the gradient that reaches a
@@ -112,7 +113,7 @@ def _split(tape: Tape, leaf: Any, dim: Optional[int]) -> Tuple[Any, Optional[int
                 f"{dim}, which has size {leaf.shape[dim]}; the batch has {batch} samples")
         return leaf.movedim(dim, 0).unsqueeze(dim + 1), 0
     rows = leaf.shape[0]
-    if rows == batch or (rows > batch and rows % batch == 0):
+    if rows % batch == 0:  # k = rows / B rows a sample, none for zero-length sequences
         return leaf.unflatten(0, (batch, rows // batch)), 0
     return leaf, None
 

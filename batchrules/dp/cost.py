@@ -71,8 +71,9 @@ def pair_norms_sq(a: Tensor, g: Tensor, biases: int = 0) -> Tensor:
     assert biases == 0 or a.dim() == 3, "a bias term sums over a sample's rows: no groups"
     ghost = rows == 1 or ghost_is_cheaper(rows, in_f, out_f)
     if ghost and _ghost_kernel_runs(a, g):
-        norms = _GHOST_KERNEL(a.reshape(-1, rows, in_f), g.reshape(-1, rows, out_f), biases)
-        return norms if a.dim() == 3 else norms.view(a.shape[0], -1).sum(1)
+        lead = math.prod(a.shape[:-2])  # named: -1 is ambiguous for 0 features
+        norms = _GHOST_KERNEL(a.reshape(lead, rows, in_f), g.reshape(lead, rows, out_f), biases)
+        return norms if a.dim() == 3 else norms.view(a.shape[0], math.prod(a.shape[1:-2])).sum(1)
     if rows == 1:
         return ((sq_norms(a, -1) + biases) * sq_norms(g, -1)).flatten(1).sum(1)
     if ghost:

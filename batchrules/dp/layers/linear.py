@@ -203,12 +203,12 @@ def ghostable(tape: Tape, a: Tensor, w: Any, b: Any) -> bool:
 
 
 def sample_rows(tape: Tape, x: Any) -> Optional[Tensor]:
-    """The engine's plain ``x: [k*B, ..., I]`` (k >= 1) as each sample's rows
+    """The engine's plain ``x: [k*B, ..., I]`` (k >= 0) as each sample's rows
     ``[B, k*..., I]``, as the per-call vmap splits it (Note [A batched
     forward, one vmap per call]); None for anything else."""
     batch = tape.batch_size
-    if (not isinstance(x, Tensor) or x.dim() < 2 or batch == 0 or x.shape[0] < batch
-            or x.shape[0] % batch or tape.param(x) is not None or batched_level(x) != -1):
+    if (not isinstance(x, Tensor) or x.dim() < 2 or batch == 0 or x.shape[0] % batch
+            or tape.param(x) is not None or batched_level(x) != -1):
         return None
     per_sample = x.shape[0] // batch * math.prod(x.shape[1:-1])
     return x.reshape(batch, per_sample, x.shape[-1])
