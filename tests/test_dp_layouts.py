@@ -125,6 +125,17 @@ def test_conv1d_on_a_transposed_length_one_input() -> None:
     check_module(model, randn(1, 5).transpose(1, 2), lambda o: o.pow(2).sum())
 
 
+def test_conv_on_a_zero_length_input_raises_eagers_error() -> None:
+    """Its physical input is folded with every size named (a ``-1`` is
+    ambiguous for no elements): the convolution itself reports the input."""
+    loss, params = module_loss(nn.Sequential(nn.Conv1d(5, 4, 1), nn.Flatten(-2), nn.Linear(4, 3)))
+    x, error = randn(5, 0), "Calculated padded input size per channel: \\(0\\)"
+    with pytest.raises(RuntimeError, match=error):  # eager, one sample
+        loss(params, x[0])
+    with pytest.raises(RuntimeError, match=error):
+        batchrules.clipped_grad(loss, 0.1)(params, x)
+
+
 @pytest.mark.parametrize("user_state", [False, True], ids=["routing_off", "routing_on"])
 def test_routing_on_inside_and_restored(user_state: bool) -> None:
     seen = []

@@ -193,7 +193,7 @@ class ConvUse(Use):
         elif not shared_bias(tape, b):
             return NOT_HANDLED
         batch = a.shape[0]
-        folded = a.reshape(-1, *a.shape[-dims - 1:])  # B*N, C, *spatial
+        folded = a.reshape(math.prod(a.shape[:-dims - 1]), *a.shape[-dims - 1:])  # B*N, C, *spatial
         w_op = weight_for(tape, w, folded.requires_grad
                           or (b is not None and bias is None and b.requires_grad))
         b_op = b.detach() if bias is not None else b
