@@ -33,9 +33,9 @@ Under the per-call vmap a rule unwraps its BatchedTensors to the physical
 batch-first tensors and wraps its physical result again: a level, a wrap per
 argument and a pytree walk each way, for an op that works on the physical
 batch anyway. A rule that can read the engine's plain tensors directly
-(``Rule.intercept_batch_first``: a linear of a ``[B, ..., I]`` input, whose
-sample i is what the vmap would hand it) is asked first, and the vmap runs
-only where it declines.
+(``Rule.intercept_batch_first``: linear and addmm, whose input ``[k*B, ..., I]``
+holds sample i's rows where the vmap would hand them to it) is asked first,
+and the vmap runs only where it declines (a shared row, anything else).
 """
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
