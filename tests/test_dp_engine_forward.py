@@ -154,6 +154,7 @@ def test_linear_on_the_plain_batch(monkeypatch):
     x = torch.randn(5, 2, 4)
     check(LinearInputs(), (x,), torch.randint(0, 3, (5,)))
     assert forward_levels(LinearInputs(), x) == 1  # the shared row's
+
     def mlp():
         return nn.Sequential(nn.Linear(4, 6), nn.SiLU(), nn.Linear(6, 3))
 
@@ -180,10 +181,7 @@ def test_empty_rows_and_features(steps, features, plain, monkeypatch):
     """Zero-length sequences flattened ([0, I] rows of a batch of 5: none a
     sample) and inputs with no features run as eager, on the plain batch
     (Note [A rule on the plain batch]) and under the per-call vmap."""
-    from batchrules.dp import rule
-
     if not plain:
-        monkeypatch.setattr(rule, "BATCH_FIRST", {})
         monkeypatch.setattr("batchrules.dp.batched_forward.BATCH_FIRST", {})
     check(FlatLinear(features), (torch.randn(5, steps, features),), torch.randint(0, 3, (5,)))
 

@@ -4,11 +4,11 @@ Note [oneDNN for the clipped sums]
 A layer's clipped sum is one GEMM over all B*T recorded rows, ``[R, M]`` and
 ``[R, N]`` to ``[M, N]``, with each sample's clipping coefficient folded into
 the narrower operand. On the CPU aten runs a float32 GEMM as MKL's sgemm; on
-an AMD EPYC with AVX-512 or a Zen 2, oneDNN's matmul (the library aten already runs convolutions and
-LSTM layers with) computes most of these shapes faster, to the same float32
-accuracy, but on a Zen 2 one it was the slower where the wider operand is
-both wide and long (GPT-2's ``c_attn`` and head; the measurements:
-docs/design.md). So float32 CPU sums of at least
+an AMD EPYC with AVX-512 or a Zen 2, oneDNN's matmul (the library aten
+already runs convolutions and LSTM layers with) computes most of these
+shapes faster, to the same float32 accuracy, but on a Zen 2 it was the
+slower where the wider operand is both wide and long (GPT-2's ``c_attn`` and
+head; the measurements: docs/design.md). So float32 CPU sums of at least
 ``_ONEDNN_MIN_MACS`` multiply-adds (below it oneDNN's call costs more than
 it saves) whose wider operand is at most ``_ONEDNN_MAX_WIDTH`` wide or
 ``_ONEDNN_ANY_WIDTH_ROWS`` rows long are ``batchrules::scaled_gram``, whose

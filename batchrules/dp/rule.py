@@ -211,11 +211,16 @@ def register(rule: R) -> R:
         if f in INTERCEPTS:
             raise ValueError(f"clipped_grad: two rules intercept {f}")
         INTERCEPTS[f] = rule.intercept
-        if any("batch_dims" in vars(c) for c in rule.__mro__ if c is not Rule):
+        if _overrides(rule, "batch_dims"):
             BATCH_DIMS[f] = rule.batch_dims
-        if any("intercept_batch_first" in vars(c) for c in rule.__mro__ if c is not Rule):
+        if _overrides(rule, "intercept_batch_first"):
             BATCH_FIRST[f] = rule.intercept_batch_first
     return rule
+
+
+def _overrides(rule: Type[Rule], name: str) -> bool:
+    """Whether ``rule`` or a base other than ``Rule`` defines ``name``."""
+    return any(name in vars(c) for c in rule.__mro__ if c is not Rule)
 
 
 def bind(names: Sequence[str], defaults: Sequence[Any], args: Tuple[Any, ...],

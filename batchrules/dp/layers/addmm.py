@@ -26,6 +26,8 @@ from ..rule import (
 from ..tape import Tape, tap, weight_for
 from .linear import LinearClipping, LinearUse, sample_rows, shared_bias
 
+_ADDMM_ARGS = (("input", "mat1", "mat2"), ())
+
 
 @register
 @dataclass(eq=False)
@@ -43,7 +45,7 @@ class AddmmUse(LinearUse):
 
     @classmethod
     def intercept(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        bound = bind(("input", "mat1", "mat2"), (), args, kwargs)
+        bound = bind(*_ADDMM_ARGS, args, kwargs)
         if bound is None:
             return NOT_HANDLED
         b, x, w = bound
@@ -55,12 +57,12 @@ class AddmmUse(LinearUse):
 
     @classmethod
     def intercept_batch_first(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        bound = bind(("input", "mat1", "mat2"), (), args, kwargs)
+        bound = bind(*_ADDMM_ARGS, args, kwargs)
         if bound is None:
             return NOT_HANDLED
         b, x, w = bound
-        a = sample_rows(tape, x) if isinstance(x, Tensor) and x.dim() == 2 else None
-        return NOT_HANDLED if a is None else cls.recorded(tape, b, a, w)
+        a = sample_rows(tape, x)
+        return NOT_HANDLED if a is None or x.dim() != 2 else cls.recorded(tape, b, a, w)
 
     @classmethod
     def recorded(cls, tape: Tape, b: Any, a: Tensor, w: Tensor) -> Any:

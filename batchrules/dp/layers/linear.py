@@ -89,9 +89,7 @@ class LinearUse(Use):
                 f"{w.shape[1]}")
         if a is None or not ghostable(tape, a, w, b):
             return NOT_HANDLED
-        batch, lead = a.shape[0], a.shape[1:-1]
-        out = recorded_linear(tape, a.reshape(batch * math.prod(lead), a.shape[-1]), batch, w, b)
-        return batched(tape, out.view(batch, *lead, w.shape[0]))
+        return batched(tape, batch_linear(tape, a, w, b).view(*a.shape[:-1], w.shape[0]))
 
     @classmethod
     def intercept_batch_first(cls, tape: Tape, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -102,8 +100,7 @@ class LinearUse(Use):
         a = sample_rows(tape, x)
         if a is None or not ghostable(tape, a, w, b):
             return NOT_HANDLED
-        out = recorded_linear(tape, a.reshape(a.shape[0] * a.shape[1], a.shape[-1]), a.shape[0], w, b)
-        return out.view(*x.shape[:-1], w.shape[0])
+        return batch_linear(tape, a, w, b).view(*x.shape[:-1], w.shape[0])
 
 
 @register_clipping(LinearUse.kind)
@@ -212,6 +209,11 @@ def sample_rows(tape: Tape, x: Any) -> Optional[Tensor]:
         return None
     per_sample = x.shape[0] // batch * math.prod(x.shape[1:-1])
     return x.reshape(batch, per_sample, x.shape[-1])
+
+
+def batch_linear(tape: Tape, a: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+    """``recorded_linear`` of physical ``a: [B, ..., I]``: the fresh ``[B*..., O]`` output."""
+    return recorded_linear(tape, a.reshape(math.prod(a.shape[:-1]), a.shape[-1]), a.shape[0], w, b)
 
 
 def recorded_linear(tape: Tape, rows: Tensor, batch: int, w: Tensor, b: Optional[Tensor]) -> Tensor:
