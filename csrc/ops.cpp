@@ -108,6 +108,10 @@ TORCH_LIBRARY(batchrules, m) {
   // [B] to [M, N] (a clipped sum; Note [The clipped sum as one op]): CPU and
   // Meta only, not differentiable.
   m.def("scaled_gram(Tensor x, Tensor y, Tensor scale) -> Tensor");
+  // self = N(0, std^2) from Philox4x32-10 under `key`, or with `accumulate`
+  // self += it, in place: float32, contiguous (DP noise; Note [Gaussian
+  // noise from Philox]): CPU and Meta only, not differentiable.
+  m.def("gaussian_fill_(Tensor(a!) self, int key, float std, bool accumulate=False) -> ()");
   // Each activation: <name>(self) and <name>_backward(grad_output, self),
   // whose operands broadcast against each other as in aten::silu_backward.
 #define BATCHRULES_DEFINE_ACTIVATION_SCHEMAS(name, ...) \

@@ -220,7 +220,8 @@ def test_dp_rows_match_their_references_and_evaluate_their_targets(tmp_path: Pat
 
 def test_dp_engine_row_matches_its_reference_and_evaluates_its_targets(tmp_path: Path) -> None:
     """The DP engine's row: the user's loop with the engine, its first step,
-    the loop without DP and with Opacus' modules, each against its reference."""
+    its step with noise, the loop without DP and with Opacus' modules, each
+    against its reference."""
     out = tmp_path / "engine.json"
     proc = run_cli("--smoke", "--threads", "1", "--only", "dp_engine", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -228,7 +229,7 @@ def test_dp_engine_row_matches_its_reference_and_evaluates_its_targets(tmp_path:
     assert [f"{c['scenario']}/{c['size']}" for c in record["cases"]] == ["dp_engine_mlp/b16"]
     missing = opacus_missing_reason()
     variants = record["cases"][0]["variants"]
-    assert variants.keys() == {"engine", "engine_first", "nonprivate", *OPACUS_DP}
+    assert variants.keys() == {"engine", "engine_first", "engine_noised", "nonprivate", *OPACUS_DP}
     for name, v in variants.items():
         assert v["error"] is None and v["skipped"] == (missing if name in OPACUS_DP else None), name
         if v["skipped"] is None:

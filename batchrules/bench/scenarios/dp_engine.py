@@ -3,7 +3,9 @@ step()``, the same loop three ways: with batchrules' engine (``PrivateModule`` +
 ``DPOptimizer``, noise 0), without DP (``nonprivate``), and with Opacus'
 make_private modules (``opacus_hooks``: GradSampleModule and DPOptimizer's
 clipping; ``opacus_ghost``: ghost clipping's two backwards). ``engine_first``
-is the engine's first step, a fresh wrapper with the first-step validation.
+is the engine's first step, a fresh wrapper with the first-step validation;
+``engine_noised`` the engine's step with noise (noise multiplier 1), as
+DP-SGD runs it (the other variants time the clipping without the noise).
 Models: the MLP of ``dp_step`` and transformers GPT-2, BERT (a standard 2-D
 ``attention_mask``, right padding) and a peft LoRA on GPT-2, from configs.
 Every loop uses SGD with lr 0 (the parameters stay as built), and returns the
@@ -16,12 +18,13 @@ Compiled twins (``--compiled``): the same loops with the model compiled
 ``nonprivate``): <= 1.1x the compiled non-private loop, faster than eager.
 """
 import functools
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from ...dp.engine import DPOptimizer, PrivateModule
+from ...dp.engine.noise import gaussian_noise
 from ..baselines.opacus_variants import opacus_clip_variant, with_opacus
 from ..case import Case, CaseSetup, Variant
 from ..models import mlp
@@ -40,14 +43,18 @@ from .dp_third_party import (
     guarded,
 )
 
-VARIANTS = ("engine", "engine_first", "nonprivate", "opacus_hooks", "opacus_ghost")
+VARIANTS = ("engine", "engine_first", "engine_noised", "nonprivate", "opacus_hooks", "opacus_ghost")
+NOISE_MULTIPLIER = 1.0  # engine_noised's
 
 
-def _engine(model: nn.Module, validate: bool) -> Tuple[PrivateModule, DPOptimizer, List[nn.Parameter]]:
+def _engine(model: nn.Module, validate: bool, noise_multiplier: float = 0.0,
+            generator: Optional[torch.Generator] = None
+            ) -> Tuple[PrivateModule, DPOptimizer, List[nn.Parameter]]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     private = PrivateModule(model, loss_reduction="sum", validate=validate)
-    optimizer = DPOptimizer(torch.optim.SGD(trainable, lr=0.0), module=private, noise_multiplier=0.0,
-                            max_grad_norm=MAX_NORM, expected_batch_size=None, loss_reduction="sum")
+    optimizer = DPOptimizer(torch.optim.SGD(trainable, lr=0.0), module=private,
+                            noise_multiplier=noise_multiplier, max_grad_norm=MAX_NORM,
+                            expected_batch_size=None, loss_reduction="sum", generator=generator)
     return private, optimizer, trainable
 
 
@@ -88,6 +95,29 @@ def engine_variants(model: nn.Module, xs: Tuple[Tensor, ...], y: Tensor, criteri
     return [Variant("engine", step, compiled=compiled), Variant("engine_first", first_step)]
 
 
+def noised_variant(model: nn.Module, xs: Tuple[Tensor, ...], y: Tensor, criterion: nn.Module,
+                   reference_of: Callable[[], List[Tensor]]) -> Variant:
+    """The engine's step as DP-SGD runs it, with noise (``NOISE_MULTIPLIER``)
+    from a generator seeded alike every step, so that the reference draws the
+    same noise: one ``gaussian_noise`` per parameter, in the optimizer's order."""
+    generator = torch.Generator()
+    private, optimizer, trainable = _engine(model, False, NOISE_MULTIPLIER, generator)
+
+    def step() -> List[Any]:
+        generator.manual_seed(0)
+        grads = _user_step(private, optimizer, xs, y, criterion, trainable)
+        assert private.per_sample_norms is not None
+        return [*grads, private.per_sample_norms]
+
+    def reference() -> List[Tensor]:
+        draws = torch.Generator().manual_seed(0)
+        *clean, norms = reference_of()
+        noise = [gaussian_noise(p.detach(), NOISE_MULTIPLIER * MAX_NORM, draws) for p in trainable]
+        return [*(g + n.to(g) for g, n in zip(clean, noise)), norms]
+
+    return Variant("engine_noised", step, reference=reference)
+
+
 def nonprivate_variant(model: nn.Module, xs: Tuple[Tensor, ...], y: Tensor,
                        criterion: nn.Module) -> Variant:
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -110,6 +140,7 @@ def engine_setup(problem: Problem) -> CaseSetup:
 
     setup = CaseSetup([*engine_variants(model, xs, y, criterion,
                                         lambda: reference_of(model)[:-1]),
+                       noised_variant(model, xs, y, criterion, lambda: reference_of(model)),
                        nonprivate_variant(model, xs, y, criterion)],
                       reference=lambda: reference_of(model))
     return with_opacus(setup, ["opacus_hooks", "opacus_ghost"], lambda: [

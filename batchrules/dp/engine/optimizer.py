@@ -7,7 +7,7 @@ from torch.optim import Optimizer
 
 from ..sharded import all_reduce_flat, reduce_scatter_flat
 from .module import LOSS_REDUCTIONS, PrivateModule
-from .noise import gaussian_noise
+from .noise import add_gaussian_noise_
 
 
 class DPOptimizer(Optimizer):
@@ -137,7 +137,7 @@ class DPOptimizer(Optimizer):
         first_rank = group is None or torch.distributed.get_rank(group) == 0
         std = self.noise_multiplier * self.max_grad_norm
         if std > 0 and first_rank:
-            sums = [s + gaussian_noise(s, std, self.generator, self.secure_mode) for s in sums]
+            sums = [add_gaussian_noise_(s, std, self.generator, self.secure_mode) for s in sums]
         if sharded:
             names = {p: n for n, p in self.module.trainable_parameters()}
             shards = reduce_scatter_flat({names[p]: s for p, s in zip(params, sums)},
