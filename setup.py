@@ -226,7 +226,9 @@ class BuildWithRecord(BuildExtension):
 
 debug = os.getenv("DEBUG", "0") == "1"
 # -std as torch's build would add it, but before the precompiled header is built.
-cxx_flags = (["-O0", "-g"] if debug else ["-O3", "-g0"]) + ["-std=c++20"]
+# -fopenmp: at::parallel_for is an OpenMP loop compiled into the caller, serial
+# without it; the OpenMP runtime is torch's (its libgomp.so.1, loaded first).
+cxx_flags = (["-O0", "-g"] if debug else ["-O3", "-g0"]) + ["-std=c++20", "-fopenmp"]
 
 setup(
     name="batchrules",
@@ -238,7 +240,7 @@ setup(
             sorted(glob.glob("csrc/**/*.cpp", recursive=True)),
             include_dirs=[os.path.abspath("csrc")] + nlohmann_include_dirs(),
             extra_compile_args={"cxx": cxx_flags},
-            extra_link_args=["-g"] if debug else [],
+            extra_link_args=["-fopenmp", *(["-g"] if debug else [])],
         )
     ],
     cmdclass={"build_ext": BuildWithRecord.with_options(use_ninja=True)},
