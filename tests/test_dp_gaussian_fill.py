@@ -61,7 +61,7 @@ def test_matches_the_reference(key: int, n: int, std: float) -> None:
     torch.testing.assert_close(got.double(), reference(key % 2 ** 64, n, std), rtol=2e-6, atol=2e-6 * std)
 
 
-def test_the_scalar_kernel() -> None:
+def test_the_scalar_kernel(tmp_path) -> None:
     """The same in a process held to the scalar kernel (BATCHRULES_GAUSSIAN),
     and equal to the AVX2 one within float32 rounding."""
     here = fill(torch.empty(5000), 11, 1.0)
@@ -71,15 +71,13 @@ def test_the_scalar_kernel() -> None:
         "    torch.testing.assert_close(t.fill(torch.empty(n), key, std).double(),\n"
         "                               t.reference(key % 2 ** 64, n, std), rtol=2e-6, atol=2e-6 * std)\n"
         "torch.save(t.fill(torch.empty(5000), 11, 1.0), __import__('sys').argv[1])\n")
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gaussian_scalar_{os.getpid()}.pt")
+    path = str(tmp_path / "scalar.pt")
     env = {**os.environ, "BATCHRULES_GAUSSIAN": "scalar",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", check, path], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    scalar = torch.load(path)
-    os.remove(path)
-    torch.testing.assert_close(here, scalar, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(here, torch.load(path), rtol=2e-6, atol=2e-6)
 
 
 def test_the_thread_count_does_not_change_it() -> None:
