@@ -11,19 +11,24 @@ times slower per element than one member's, which stay in cache. Which side
 of that line a call falls on depends on the machine's caches and allocator as
 much as on the shapes, so ``ensemble_vmap`` measures instead of guessing: the
 first calls with a given input signature alternate the two and time them, and
-the faster serves every later call with that signature. Every call, trials
-included, returns what ``vmap`` returns.
+the one of the lower median time serves every later call with that signature
+(not the lower minimum: the batched call's page faults vary from call to call,
+and its fastest call flatters it). Every call, trials included, returns what
+``vmap`` returns.
 
 The loop calls ``func`` on each member's slice of the inputs and stacks the
 outputs along ``out_dims``, so it is vmap's semantics without vmap's
-BatchedTensors. The first call with a signature is always the batched one, also
-with ``strategy="members"``, so what vmap rejects (random ops with
-``randomness="error"``, in-place writes to unbatched tensors, data-dependent
-control flow) raises exactly as it does with vmap. ``randomness="same"`` replays
-one generator state for every member.
+BatchedTensors; a ``torch.func.grad`` of a loss runs there as one plain
+autograd backward a member (See Note [A member's gradient without
+torch.func] in member_grad.py). The first call with a signature is always
+the batched one, also with ``strategy="members"``, so what vmap rejects
+(random ops with ``randomness="error"``, in-place writes to unbatched tensors,
+data-dependent control flow) raises exactly as it does with vmap.
+``randomness="same"`` replays one generator state for every member.
 """
 import collections
 import functools
+import statistics
 import time
 from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 
@@ -33,10 +38,11 @@ from torch.func import vmap
 from torch.utils._pytree import TreeSpec, _broadcast_to_and_flatten, tree_flatten, tree_unflatten
 
 from . import _C
+from .member_grad import MemberGrad
 
 STRATEGIES = ("auto", "batched", "members")
 # Timed calls per strategy after one untimed warm-up call of each.
-TRIAL_ROUNDS = 2
+TRIAL_ROUNDS = 4
 # Calls with one input signature until its strategy is chosen.
 TRIAL_CALLS = 2 + 2 * TRIAL_ROUNDS
 # Input signatures remembered per function (the oldest dropped).
@@ -56,7 +62,7 @@ class _Trial:
         timed = [("batched", True), ("members", True)] * TRIAL_ROUNDS
         measured = [] if forced else [("members", False), *timed]
         self.plan: Deque[Tuple[str, bool]] = collections.deque([("batched", False), *measured])
-        self.best: Dict[str, float] = {}
+        self.times: Dict[str, List[float]] = {}
         self.choice: Optional[str] = "batched" if members is None else None
 
     def next(self) -> Tuple[str, bool]:
@@ -69,9 +75,9 @@ class _Trial:
             return
         self.plan.popleft()
         if timed:
-            self.best[strategy] = min(seconds, self.best.get(strategy, float("inf")))
+            self.times.setdefault(strategy, []).append(seconds)
         if not self.plan:
-            self.choice = self.forced or min(self.best, key=self.best.__getitem__)
+            self.choice = self.forced or min(self.times, key=lambda k: statistics.median(self.times[k]))
 
 
 class EnsembleVmap:
@@ -84,6 +90,8 @@ class EnsembleVmap:
         self.func, self.in_dims, self.out_dims, self.randomness = func, in_dims, out_dims, randomness
         self.requested = strategy
         self.batched = vmap(func, in_dims, out_dims, randomness)
+        # See Note [A member's gradient without torch.func] (member_grad.py).
+        self.member_grad = MemberGrad.of(func)
         # vmap's None out_dims (an unbatched output) has no member loop
         self.loopable = strategy != "batched" and all(isinstance(d, int) for d in tree_flatten(out_dims)[0])
         self.trials: "collections.OrderedDict[Hashable, _Trial]" = collections.OrderedDict()
@@ -132,12 +140,17 @@ class EnsembleVmap:
         dims, members = trial.dims, trial.members
         assert dims is not None and members is not None  # a trial with members has both
         replay = torch.get_rng_state() if self.randomness == "same" else None
+        if self.member_grad is not None:
+            call = self.member_grad.bind(leaves, spec, kwargs)
+        else:
+            def call(member: List[Any]) -> Any:
+                return self.func(*tree_unflatten(member, spec), **kwargs)
         outs: List[Any] = []
         for e in range(members):
             if replay is not None:
                 torch.set_rng_state(replay)  # See Note [Batched members or a member loop]
             member = [x if d is None else x.select(d, e) for x, d in zip(leaves, dims)]
-            outs.append(tree_flatten(self.func(*tree_unflatten(member, spec), **kwargs)))
+            outs.append(tree_flatten(call(member)))
         out_spec = outs[0][1]
         out_dims = _broadcast_to_and_flatten(self.out_dims, out_spec)
         if out_dims is None:
