@@ -2,7 +2,7 @@
 
 Note [The engine on an FSDP2 model]
 The engine's forward runs the model with its own leaves in place of the
-parameters (functional_call), and the user's backward still needs the full
+parameters (parameter_slots.py), and the user's backward still needs the full
 weights the forward used (its saved tensors are views of them). FSDP's
 forward hooks would unshard each block into its own parameters, reshard it
 after the block's forward and hook the backward. So the engine unshards

@@ -12,7 +12,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
 from ... import routing
@@ -22,6 +21,7 @@ from ..layers import INTERCEPTS
 from ..tape import Param, Tape
 from .compiled_forward import ForwardSpec, make_sinks, traced_forward
 from .fsdp import fsdp_modules, hooks_set_aside, plain_forwards, reshard, unshard
+from .parameter_slots import Slots, parameter_slots, swapped
 from .recording import Recording
 from .validation import FirstStep
 
@@ -111,13 +111,14 @@ class PrivateModule(nn.Module):
 
     def trainable_parameters(self) -> List[Tuple[str, nn.Parameter]]:
         """The parameters that require grad, by name (a tied one once)."""
-        return [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
+        return parameter_slots(self._module).trainable()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() and not self.fsdp_modules:
             return self._traced_forward(args, kwargs)
-        named = self.trainable_parameters() if torch.is_grad_enabled() else []
-        if not named:
+        slots = parameter_slots(self._module) if torch.is_grad_enabled() else None
+        named = slots.trainable() if slots is not None else []
+        if slots is None or not named:
             return self._module(*args, **kwargs)
         self._check_optimizer()
         refuse_batch_norm(self._batch_norms)
@@ -127,13 +128,14 @@ class PrivateModule(nn.Module):
             if not self._unsharded:
                 unshard(self.fsdp_modules)
                 self._unsharded = True
-            named = self.trainable_parameters()  # the full parameters the forward runs with
+            slots = parameter_slots(self._module)  # the full parameters the forward runs with
+            named = slots.trainable()
         with hooks_set_aside(self.fsdp_modules):
             if batch == 0:  # nothing to clip; counted as a backward, as Opacus counts it
                 self._backwards += 1
-                leaf_of = {n: p.leaf for (n, _), p in zip(named, leaves(named))}
-                return functional_call(self._module, leaf_of, args, kwargs, strict=False)
-            out = recorded_forward(self._module, named, args, kwargs, batch,
+                with swapped(slots, [(p, param.leaf) for (_, p), param in zip(named, leaves(named))]):
+                    return self._module(*args, **kwargs)
+            out = recorded_forward(self._module, slots, named, args, kwargs, batch,
                                    functools.partial(self._clip, owners))
         if self.first_step is not None and not self.first_step.started:
             self.first_step.watch(args, kwargs, out, batch)
@@ -214,17 +216,19 @@ class PrivateModule(nn.Module):
         return count
 
 
-def recorded_forward(model: nn.Module, named: List[Tuple[str, nn.Parameter]], args: Tuple[Any, ...],
-                     kwargs: Dict[str, Any], batch: int,
+def recorded_forward(model: nn.Module, slots: Slots, named: List[Tuple[str, nn.Parameter]],
+                     args: Tuple[Any, ...], kwargs: Dict[str, Any], batch: int,
                      on_done: Callable[[Recording], None]) -> Any:
-    """``model``'s batched forward with ``named`` as intercepted leaves
-    (Note [A batched forward, one vmap per call]); ``on_done`` after the
-    backward (Note [The clipping runs at the end of the user's backward])."""
+    """``model``'s batched forward with ``named`` (held in ``slots``) as
+    intercepted leaves (Note [A batched forward, one vmap per call]);
+    ``on_done`` after the backward (Note [The clipping runs at the end of the
+    user's backward])."""
     params = leaves(named)
     tape = Tape(params, batch, -1, batched=True, anchored=True)
-    with Interceptor(tape, INTERCEPTS), routing.enabled():
-        out = functional_call(model, {n: p.leaf for (n, _), p in zip(named, params)}, args,
-                              kwargs, strict=False)
+    # See Note [The forward's leaves in the parameters' slots] (parameter_slots.py).
+    with Interceptor(tape, INTERCEPTS), routing.enabled(), \
+            swapped(slots, [(p, param.leaf) for (_, p), param in zip(named, params)]):
+        out = model(*args, **kwargs)
     Recording(tape, params, on_done)
     return out
 

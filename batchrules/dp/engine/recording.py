@@ -49,10 +49,12 @@ class Recording:
             by_node.setdefault(use.edge.node, []).append(i)
         for node, indices in by_node.items():
             node.register_prehook(self._keeper(indices))  # type: ignore[attr-defined]
-        for p in params:
-            for leaf in (p.leaf, p.copy):
-                if leaf is not None:
-                    leaf.register_hook(self._on_leaf_grad)
+        # The leaves are interceptor.Differentiated: no __torch_function__ round trip.
+        with torch._C.DisableTorchFunctionSubclass():
+            for p in params:
+                for leaf in (p.leaf, p.copy):
+                    if leaf is not None:
+                        leaf.register_hook(self._on_leaf_grad)
 
     def _keeper(self, indices: List[int]) -> Callable[..., None]:
         def keep(grad_outputs: List[Optional[Tensor]]) -> None:

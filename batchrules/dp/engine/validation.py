@@ -28,6 +28,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..clipping import per_sample_grad
+from .parameter_slots import parameter_slots
 from .recording import Recording
 
 _RTOL = {torch.float64: 1e-6, torch.float32: 1e-3}
@@ -156,7 +157,7 @@ def _engine_norms(model: nn.Module, named: List[Tuple[str, nn.Parameter]], input
         for p in recording.params:
             norms.append(per_sample_grad(p, 2).flatten(1).norm(dim=1))
 
-    out = recorded_forward(model, named, inputs[0], inputs[1], 2, done)
+    out = recorded_forward(model, parameter_slots(model), named, inputs[0], inputs[1], 2, done)
     if not cotangents:
         cotangents.update({i: torch.randn_like(t) for i, t in enumerate(tree_flatten(out)[0])
                            if _batched(t, 2) and t.requires_grad and t.is_floating_point()})
