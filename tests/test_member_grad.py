@@ -153,3 +153,16 @@ def test_ensemble_member_loop_skips_functorch(shared: bool, monkeypatch: pytest.
     stacked = tree_map(lambda t: t.clone().requires_grad_(), p)
     assert_close(step(stacked, x, y), want)  # an argument requires grad: grad runs
     assert calls
+
+
+def test_a_grad_inside_the_loss() -> None:
+    """Second derivatives: the loss itself takes a torch.func.grad (as a
+    gradient penalty does); the plain backward differentiates through it."""
+    def f(a: Tensor, x: Tensor) -> Tensor:
+        return (torch.sin(a) * x).sum() ** 2
+
+    def penalty(a: Tensor, x: Tensor) -> Tensor:
+        return grad(f)(a, x).pow(2).sum()
+
+    a, x = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    assert_tree_close(member_call(grad(penalty), a, x), grad(penalty)(a, x))
