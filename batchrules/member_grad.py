@@ -6,19 +6,21 @@ Note [A member's gradient without torch.func]
 member. torch.func's grad wraps every argument at a new level and runs its
 backward with ``create_graph=True`` (so that an enclosing transform or outer
 autograd can differentiate the result): the backward records a graph of its
-own, and the wrapping costs a fixed ~0.3 ms a call (a 3-layer MLP). Where no enclosing level exists (the loop runs
-only at the top level) and nothing outside the call requires grad, no one can
-differentiate the result, and the same gradients come from
-``torch.autograd.grad`` on detached leaves without ``create_graph``: the same
-operators, with the values grad returns (zeros for an unused input, the
-results detached). Two things could differentiate it, and either sends the call
+own, and the wrapping costs a fixed ~0.3 ms a call (a 3-layer MLP). Where no
+enclosing level exists (the loop runs only at the top level) and nothing
+outside the call requires grad, no one can differentiate the result, and the
+same gradients come from ``torch.autograd.grad`` on detached leaves without
+``create_graph``: the same operators, with the values grad returns (zeros for
+an unused input, the results detached). Two things could differentiate it, and either sends the call
 to ``grad`` itself:
 - an argument that requires grad (it would carry its graph into the result);
 - a tensor outside the arguments (a closure's parameter) that requires grad
   and reached the loss or the aux, as a leaf of the recorded graph.
 Anything grad would refuse (a non-tensor or integer input to differentiate, a
 loss that is not a scalar tensor, a malformed aux) goes to ``grad`` too, so its
-errors are grad's own.
+errors are grad's own. The closure's case is only seen once the member's loss
+has run: that member's forward runs again under ``grad``, and the call's
+remaining members go to ``grad`` directly.
 """
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
@@ -78,7 +80,12 @@ class MemberGrad(NamedTuple):
                    for i in differentiated):
             return transform
 
+        closure_requires_grad = False
+
         def plain_backward(member: List[Any]) -> Any:
+            nonlocal closure_requires_grad
+            if closure_requires_grad:
+                return transform(member)
             inputs = list(member)
             for i in differentiated:
                 inputs[i] = member[i].detach().requires_grad_()
@@ -86,7 +93,10 @@ class MemberGrad(NamedTuple):
                 out = self.func(*tree_unflatten(inputs, spec), **kwargs)
             loss, aux = _loss_and_aux(out, self.has_aux)
             own = [inputs[i] for i in differentiated]
-            if loss is None or _reaches_other_leaves(loss, aux, {id(t) for t in own}):
+            if loss is None:
+                return transform(member)
+            if _reaches_other_leaves(loss, aux, {id(t) for t in own}):
+                closure_requires_grad = True
                 return transform(member)
             grads, per_argument, offset = _grads(loss, own), [], 0
             for start, stop, arg_spec in arguments:

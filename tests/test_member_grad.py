@@ -166,3 +166,23 @@ def test_a_grad_inside_the_loss() -> None:
 
     a, x = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
     assert_tree_close(member_call(grad(penalty), a, x), grad(penalty)(a, x))
+
+
+def test_a_closure_requiring_grad_sends_the_call_to_grad(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a member's loss shows a closure's parameter, the call's later members
+    go to grad without a plain forward first: one forward a member, plus one."""
+    outer = torch.randn(1, dtype=torch.float64, requires_grad=True)
+    forwards: List[int] = []
+
+    def loss(q: Tensor, x: Tensor) -> Tensor:
+        forwards.append(1)
+        return (q * x * outer).sum()
+
+    q, x = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    step = ensemble_vmap(grad(loss), in_dims=(0, None), strategy="members")
+    step(q, x)  # the batched call
+    forwards.clear()
+    got = step(q, x)
+    assert len(forwards) == 3 + 1
+    torch.testing.assert_close(got, vmap(grad(loss), in_dims=(0, None))(q, x))
+    assert got.requires_grad
