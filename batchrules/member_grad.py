@@ -11,8 +11,9 @@ enclosing level exists (the loop runs only at the top level) and nothing
 outside the call requires grad, no one can differentiate the result, and the
 same gradients come from ``torch.autograd.grad`` on detached leaves without
 ``create_graph``: the same operators, with the values grad returns (zeros for
-an unused input, the results detached). Two things could differentiate it, and either sends the call
-to ``grad`` itself:
+an unused input, the results detached). Where grad mode is on at the call (under
+``torch.no_grad`` grad's own results record nothing outside it), two things
+could differentiate it, and either sends the call to ``grad`` itself:
 - an argument that requires grad (it would carry its graph into the result);
 - a tensor outside the arguments (a closure's parameter) that requires grad
   and reached the loss or the aux, as a leaf of the recorded graph.
@@ -72,8 +73,9 @@ class MemberGrad(NamedTuple):
         def transform(member: List[Any]) -> Any:
             return self.transform(*tree_unflatten(member, spec), **kwargs)
         arguments = _differentiated_arguments(spec, self.argnums)
-        if (arguments is None or any(isinstance(t, Tensor) and t.requires_grad
-                                  for t in (*leaves, *tree_flatten(kwargs)[0]))):
+        recorded_outside = torch.is_grad_enabled()
+        if arguments is None or (recorded_outside and any(
+                isinstance(t, Tensor) and t.requires_grad for t in (*leaves, *tree_flatten(kwargs)[0]))):
             return transform
         differentiated = [i for start, stop, _ in arguments for i in range(start, stop)]
         if not all(isinstance(leaves[i], Tensor) and (leaves[i].is_floating_point() or leaves[i].is_complex())
@@ -95,7 +97,7 @@ class MemberGrad(NamedTuple):
             own = [inputs[i] for i in differentiated]
             if loss is None:
                 return transform(member)
-            if _reaches_other_leaves(loss, aux, {id(t) for t in own}):
+            if recorded_outside and _reaches_other_leaves(loss, aux, {id(t) for t in own}):
                 closure_requires_grad = True
                 return transform(member)
             grads, per_argument, offset = _grads(loss, own), [], 0

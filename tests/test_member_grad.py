@@ -186,3 +186,31 @@ def test_a_closure_requiring_grad_sends_the_call_to_grad(monkeypatch: pytest.Mon
     assert len(forwards) == 3 + 1
     torch.testing.assert_close(got, vmap(grad(loss), in_dims=(0, None))(q, x))
     assert got.requires_grad
+
+
+def test_under_no_grad_nothing_outside_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch.no_grad grad's results do not require grad even for arguments
+    and closures that do: the plain backward serves, with grad's values."""
+    from torch._functorch import eager_transforms
+    calls: List[int] = []
+    impl = eager_transforms.grad_and_value_impl
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return impl(*args, **kwargs)
+    monkeypatch.setattr(eager_transforms, "grad_and_value_impl", counting)
+    outer = torch.randn(4, dtype=torch.float64, requires_grad=True)
+
+    def loss(q: Tensor, x: Tensor) -> Any:
+        return (q * x * outer).sum(), outer * 2
+
+    q = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, dtype=torch.float64)
+    with torch.no_grad():
+        want = vmap(grad(loss, has_aux=True), in_dims=(0, None))(q, x)
+        step = ensemble_vmap(grad(loss, has_aux=True), in_dims=(0, None), strategy="members")
+        step(q, x)  # the batched call
+        calls.clear()
+        got = step(q, x)
+    assert not calls
+    assert_tree_close(got, want)
