@@ -26,6 +26,20 @@ def member_call(transform: Callable[..., Any], *args: Any) -> Any:
     return member.bind(leaves, spec, {})(leaves)
 
 
+@pytest.fixture
+def grad_calls(monkeypatch: pytest.MonkeyPatch) -> List[int]:
+    """One entry a call of torch.func's grad (its grad_and_value_impl) within the test."""
+    from torch._functorch import eager_transforms
+    calls: List[int] = []
+    impl = eager_transforms.grad_and_value_impl
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return impl(*args, **kwargs)
+    monkeypatch.setattr(eager_transforms, "grad_and_value_impl", counting)
+    return calls
+
+
 def assert_tree_close(got: Any, want: Any) -> None:
     got_leaves, got_spec = tree_flatten(got)
     want_leaves, want_spec = tree_flatten(want)
@@ -127,17 +141,9 @@ def test_grads_own_errors() -> None:
 
 
 @pytest.mark.parametrize("shared", [True, False])
-def test_ensemble_member_loop_skips_functorch(shared: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ensemble_member_loop_skips_functorch(shared: bool, grad_calls: List[int]) -> None:
     """After the first (batched) call, ensemble_vmap's member loop of a grad
     never enters torch.func's grad, and its results equal vmap's (routing on)."""
-    from torch._functorch import eager_transforms
-    calls: List[int] = []
-    impl = eager_transforms.grad_and_value_impl
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return impl(*args, **kwargs)
-    monkeypatch.setattr(eager_transforms, "grad_and_value_impl", counting)
     p = mlp_params(3, (5, 8, 1))
     x = torch.randn((6, 5) if shared else (3, 6, 5), dtype=torch.float64)
     y = torch.randn(3, 6, 1, dtype=torch.float64)
@@ -146,13 +152,13 @@ def test_ensemble_member_loop_skips_functorch(shared: bool, monkeypatch: pytest.
     want = vmap(grad(loss_of), in_dims=in_dims)(p, x, y)
     with batchrules.enabled():
         step(p, x, y)
-        calls.clear()
+        grad_calls.clear()
         for _ in range(TRIAL_CALLS):
             assert_close(step(p, x, y), want)
-    assert not calls
+    assert not grad_calls
     stacked = tree_map(lambda t: t.clone().requires_grad_(), p)
     assert_close(step(stacked, x, y), want)  # an argument requires grad: grad runs
-    assert calls
+    assert grad_calls
 
 
 def test_a_grad_inside_the_loss() -> None:
@@ -188,17 +194,9 @@ def test_a_closure_requiring_grad_sends_the_call_to_grad(monkeypatch: pytest.Mon
     assert got.requires_grad
 
 
-def test_under_no_grad_nothing_outside_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_under_no_grad_nothing_outside_is_recorded(grad_calls: List[int]) -> None:
     """Under torch.no_grad grad's results do not require grad even for arguments
     and closures that do: the plain backward serves, with grad's values."""
-    from torch._functorch import eager_transforms
-    calls: List[int] = []
-    impl = eager_transforms.grad_and_value_impl
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return impl(*args, **kwargs)
-    monkeypatch.setattr(eager_transforms, "grad_and_value_impl", counting)
     outer = torch.randn(4, dtype=torch.float64, requires_grad=True)
 
     def loss(q: Tensor, x: Tensor) -> Any:
@@ -210,7 +208,7 @@ def test_under_no_grad_nothing_outside_is_recorded(monkeypatch: pytest.MonkeyPat
         want = vmap(grad(loss, has_aux=True), in_dims=(0, None))(q, x)
         step = ensemble_vmap(grad(loss, has_aux=True), in_dims=(0, None), strategy="members")
         step(q, x)  # the batched call
-        calls.clear()
+        grad_calls.clear()
         got = step(q, x)
-    assert not calls
+    assert not grad_calls
     assert_tree_close(got, want)
