@@ -36,6 +36,15 @@ batch anyway. A rule that can read the engine's plain tensors directly
 (``Rule.intercept_batch_first``: linear and addmm, whose input ``[k*B, ..., I]``
 holds sample i's rows where the vmap would hand them to it) is asked first,
 and the vmap runs only where it declines (a shared row, anything else).
+
+Note [Routing only for the per-call vmaps]
+batchrules' routed kernels run only inside torch.func transforms, and the
+only transforms of the engine's forward are its per-call vmaps. Turning
+routing on re-registers some thirty kernels with the dispatcher, and off
+again (csrc/routing.cpp): a fixed cost a forward would pay for nothing where
+every call takes its rule on the plain batch (an MLP, a transformer's
+linears). So the Interceptor turns it on at the forward's first per-call
+vmap and restores it when the forward ends.
 """
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -52,9 +61,11 @@ _RANDOMNESS = "different"
 
 
 def per_sample_call(tape: Tape, handle: Callable[[Callable, Tuple[Any, ...], Dict[str, Any]], Any],
-                    func: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+                    routed: Callable[[], None], func: Callable, args: Tuple[Any, ...],
+                    kwargs: Dict[str, Any]) -> Any:
     """``func(*args, **kwargs)`` split per sample (see the Note); ``handle``
-    runs it at the tape's level (the Interceptor's rule-or-copies path)."""
+    runs it at the tape's level (the Interceptor's rule-or-copies path),
+    after ``routed()`` (Note [Routing only for the per-call vmaps])."""
     batch_first = BATCH_FIRST.get(func)  # Note [A rule on the plain batch]
     if batch_first is not None:
         out = batch_first(tape, args, kwargs)
@@ -79,6 +90,7 @@ def per_sample_call(tape: Tape, handle: Callable[[Callable, Tuple[Any, ...], Dic
                    and leaf.shape[0] == 1 and tape.param(leaf) is None)
     if not (any_split or shared):
         return func(*args, **kwargs)
+    routed()
     with vmap_level(batch, _RANDOMNESS) as level:
         tape.level = level
         wrapped = [value if dim is None else add_batch_dim(value, dim, level)

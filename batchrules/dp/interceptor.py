@@ -24,7 +24,7 @@ by identity. That the mode sees every call costs only while tracing.
 """
 import threading
 import warnings
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from .. import routing
 from .._compat import current_transform_level, only_vmaps_above
 from .batched_forward import per_sample_call
 from .rule import NOT_HANDLED, Intercept
@@ -136,6 +137,7 @@ class Interceptor:
         self.intercepts = intercepts
         self._outer: Optional[Interceptor] = None
         self._mode = InterceptingMode(self) if traced else None
+        self._routing: Optional[ContextManager[None]] = None
 
     def __enter__(self) -> "Interceptor":
         self._outer, _active.interceptor = _active.interceptor, self
@@ -144,9 +146,21 @@ class Interceptor:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._mode is not None:
-            self._mode.__exit__(*exc)
-        _active.interceptor = self._outer
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(*exc)
+        finally:
+            _active.interceptor = self._outer
+            scope, self._routing = self._routing, None
+            if scope is not None:
+                scope.__exit__(None, None, None)
+
+    def _routed(self) -> None:
+        """Routing on from the engine's first per-call vmap to ``__exit__``
+        (Note [Routing only for the per-call vmaps] in batched_forward.py)."""
+        if self._routing is None:
+            self._routing = routing.enabled()
+            self._routing.__enter__()
 
     def handle(self, func: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if not torch.is_grad_enabled() or _is_metadata(func):
@@ -154,7 +168,7 @@ class Interceptor:
         if self.tape.batched:  # the engine's
             if current_transform_level() is not None:  # the model's own transform: its leaves escape
                 return func(*args, **kwargs)
-            return per_sample_call(self.tape, self._at_level, func, args, kwargs)
+            return per_sample_call(self.tape, self._at_level, self._routed, func, args, kwargs)
         return self._at_level(func, args, kwargs)
 
     def _at_level(self, func: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

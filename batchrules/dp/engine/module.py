@@ -14,13 +14,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from ... import routing
 from ..clipping import clip
 from ..interceptor import Interceptor, intercepted_leaf
 from ..layers import INTERCEPTS
-from ..tape import Param, Tape
+from ..tape import Tape
 from .compiled_forward import ForwardSpec, make_sinks, traced_forward
 from .fsdp import fsdp_modules, hooks_set_aside, plain_forwards, reshard, unshard
+from .kept_leaves import KeptLeaves
 from .parameter_slots import Slots, parameter_slots, swapped
 from .recording import Recording
 from .validation import FirstStep
@@ -63,6 +63,7 @@ class PrivateModule(nn.Module):
         self._sinks: List[Tensor] = []
         self._counter: Optional[Tensor] = None
         self._sums: Dict[nn.Parameter, Tensor] = {}
+        self._leaves = KeptLeaves()  # Note [Leaves kept across forwards] in kept_leaves.py
         self._backwards = 0
         self.per_sample_norms: Optional[Tensor] = None  # the last backward's, [B]
         self.first_step: Optional[FirstStep] = FirstStep() if validate else None
@@ -133,9 +134,10 @@ class PrivateModule(nn.Module):
         with hooks_set_aside(self.fsdp_modules):
             if batch == 0:  # nothing to clip; counted as a backward, as Opacus counts it
                 self._backwards += 1
-                with swapped(slots, [(p, param.leaf) for (_, p), param in zip(named, leaves(named))]):
+                # fresh leaves, without the kept ones' hooks: their gradients are dropped
+                with swapped(slots, [(p, intercepted_leaf(p.detach())) for _, p in named]):
                     return self._module(*args, **kwargs)
-            out = recorded_forward(self._module, slots, named, args, kwargs, batch,
+            out = recorded_forward(self._module, slots, named, self._leaves, args, kwargs, batch,
                                    functools.partial(self._clip, owners))
         if self.first_step is not None and not self.first_step.started:
             self.first_step.watch(args, kwargs, out, batch)
@@ -217,33 +219,26 @@ class PrivateModule(nn.Module):
 
 
 def recorded_forward(model: nn.Module, slots: Slots, named: List[Tuple[str, nn.Parameter]],
-                     args: Tuple[Any, ...], kwargs: Dict[str, Any], batch: int,
+                     kept: KeptLeaves, args: Tuple[Any, ...], kwargs: Dict[str, Any], batch: int,
                      on_done: Callable[[Recording], None]) -> Any:
     """``model``'s batched forward with ``named`` (held in ``slots``) as
-    intercepted leaves (Note [A batched forward, one vmap per call]);
+    ``kept``'s intercepted leaves (Note [A batched forward, one vmap per call]);
     ``on_done`` after the backward (Note [The clipping runs at the end of the
     user's backward])."""
-    params = leaves(named)
+    params = kept.params(named)
     tape = Tape(params, batch, -1, batched=True, anchored=True)
     # See Note [The forward's leaves in the parameters' slots] (parameter_slots.py).
-    with Interceptor(tape, INTERCEPTS), routing.enabled(), \
+    with Interceptor(tape, INTERCEPTS), \
             swapped(slots, [(p, param.leaf) for (_, p), param in zip(named, params)]):
         out = model(*args, **kwargs)
     Recording(tape, params, on_done)
     return out
 
 
-def leaves(named: List[Tuple[str, nn.Parameter]]) -> List[Param]:
-    """The parameters as the intercepted leaves the forward runs with."""
-    out = []
-    for i, (name, p) in enumerate(named):
-        value = p.detach()
-        out.append(Param(i, functools.partial(str, name), intercepted_leaf(value), value))
-    return out
-
-
 def batch_size(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> int:
     """Dim 0 of the first tensor among the inputs (the batch's size)."""
+    if args and isinstance(args[0], Tensor) and args[0].dim() > 0:  # the common call, model(x)
+        return args[0].shape[0]
     for leaf in tree_flatten((args, kwargs))[0]:
         if isinstance(leaf, Tensor) and leaf.dim() > 0:
             return leaf.shape[0]

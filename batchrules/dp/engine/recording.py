@@ -10,10 +10,11 @@ uses and calls ``on_done`` (the engine's clipping, or the first-step
 validation's norms), in the backward itself. The recorded activations are
 then released before the next forward, and several backwards between two
 optimizer steps (gradient accumulation, logical batches) each add their
-clipped sums. The leaves and per-sample copies get tensor hooks too, so that
-a forward whose parameters only reach the loss through them still calls
-back. A leaf that receives a gradient was used by a call the batched forward
-could not split (Note [A batched forward, one vmap per call]): reported.
+clipped sums. The per-sample copies get tensor hooks too, so that a forward
+whose parameters only reach the loss through them still calls back. A leaf
+that receives a gradient was used by a call the batched forward could not
+split (Note [A batched forward, one vmap per call]): reported, here or by
+the leaf's own hook (Note [Leaves kept across forwards] in kept_leaves.py).
 """
 from typing import Callable, Dict, List, Optional
 
@@ -49,12 +50,9 @@ class Recording:
             by_node.setdefault(use.edge.node, []).append(i)
         for node, indices in by_node.items():
             node.register_prehook(self._keeper(indices))  # type: ignore[attr-defined]
-        # The leaves are interceptor.Differentiated: no __torch_function__ round trip.
-        with torch._C.DisableTorchFunctionSubclass():
-            for p in params:
-                for leaf in (p.leaf, p.copy):
-                    if leaf is not None:
-                        leaf.register_hook(self._on_leaf_grad)
+        for p in params:  # the leaves' own hooks: kept_leaves.py
+            if p.copy is not None:
+                p.copy.register_hook(self._on_leaf_grad)
 
     def _keeper(self, indices: List[int]) -> Callable[..., None]:
         def keep(grad_outputs: List[Optional[Tensor]]) -> None:
@@ -80,7 +78,12 @@ class Recording:
 
     def _finish(self) -> None:
         self.done = True
-        escaped = [p.name for p in self.params if p.leaf.grad is not None]
+        escaped = []
+        with torch._C.DisableTorchFunctionSubclass():  # the leaves' .grad, read directly
+            for p in self.params:
+                if p.leaf.grad is not None:
+                    escaped.append(p.name)
+                    p.leaf.grad = None  # the leaves are kept for the next forward
         if escaped:
             raise escaped_error(escaped)
         self.tape.check_inputs_unchanged()

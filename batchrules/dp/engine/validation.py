@@ -149,6 +149,7 @@ def _engine_norms(model: nn.Module, named: List[Tuple[str, nn.Parameter]], input
                   cotangents: Dict[int, Tensor]) -> List[Tensor]:
     """Each parameter's per-sample gradient norms ``[2]`` through the engine;
     ``cotangents`` drawn here if empty (a compiled forward's)."""
+    from .kept_leaves import KeptLeaves
     from .module import recorded_forward  # module.py imports this file
 
     norms: List[Tensor] = []
@@ -157,7 +158,8 @@ def _engine_norms(model: nn.Module, named: List[Tuple[str, nn.Parameter]], input
         for p in recording.params:
             norms.append(per_sample_grad(p, 2).flatten(1).norm(dim=1))
 
-    out = recorded_forward(model, parameter_slots(model), named, inputs[0], inputs[1], 2, done)
+    out = recorded_forward(model, parameter_slots(model), named, KeptLeaves(), inputs[0], inputs[1],
+                           2, done)
     if not cotangents:
         cotangents.update({i: torch.randn_like(t) for i, t in enumerate(tree_flatten(out)[0])
                            if _batched(t, 2) and t.requires_grad and t.is_floating_point()})
