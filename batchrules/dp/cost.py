@@ -71,9 +71,11 @@ def pair_norms_sq(a: Tensor, g: Tensor, biases: int = 0) -> Tensor:
     assert biases == 0 or a.dim() == 3, "a bias term sums over a sample's rows: no groups"
     ghost = rows == 1 or ghost_is_cheaper(rows, in_f, out_f)
     if ghost and _ghost_kernel_runs(a, g):
+        if a.dim() == 3:
+            return _GHOST_KERNEL(a, g, biases)
         lead = math.prod(a.shape[:-2])  # named: -1 is ambiguous for 0 features
         norms = _GHOST_KERNEL(a.reshape(lead, rows, in_f), g.reshape(lead, rows, out_f), biases)
-        return norms if a.dim() == 3 else norms.view(a.shape[0], math.prod(a.shape[1:-2])).sum(1)
+        return norms.view(a.shape[0], math.prod(a.shape[1:-2])).sum(1)
     if rows == 1:
         return ((sq_norms(a, -1) + biases) * sq_norms(g, -1)).flatten(1).sum(1)
     if ghost:
@@ -107,7 +109,12 @@ def rows_norms_sq(a: Tensor, g: Tensor, biases: int = 0) -> Tensor:
     groups = math.prod(a.shape[1:-2])
     per_sample = groups * transient_per_sample(a.shape[-2], a.shape[-1], g.shape[-1])
     return chunked(a.shape[0], per_sample, a.numel() + g.numel(),
-                   lambda s: pair_norms_sq(a[s], g[s], biases))
+                   lambda s: pair_norms_sq(samples(a, s), samples(g, s), biases))
+
+
+def samples(t: Tensor, s: slice) -> Tensor:
+    """``t[s]``: ``t`` itself for all its samples (no view op)."""
+    return t if s.start == 0 and s.stop == t.shape[0] else t[s]
 
 
 # Note [Cross terms of tied parameters]

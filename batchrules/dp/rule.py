@@ -228,6 +228,8 @@ def bind(names: Sequence[str], defaults: Sequence[Any], args: Tuple[Any, ...],
     """The arguments of a call by position, ``defaults`` filling the trailing
     ones; None when the call does not fit ``names`` (the op then reports it)."""
     required = len(names) - len(defaults)
+    if not kwargs and required <= len(args) <= len(names):  # positional only, the common call
+        return tuple(args) + tuple(defaults[len(args) - required:])
     if len(args) > len(names) or any(k not in names for k in kwargs):
         return None
     values = list(args)

@@ -39,11 +39,11 @@ def tap(out: Tensor) -> GradientEdge:
 
 def weight_for(tape: "Tape", weight: Tensor, other_operands_need_grad: bool) -> Tensor:
     """The detached weight a rule calls its op with (see the Notes above)."""
-    detached = weight.detach()
     if other_operands_need_grad or tape.anchored:
-        return detached
+        param = tape.param(weight)
+        return param.value if param is not None else weight.detach()
     with allow_requires_grad():
-        return detached.requires_grad_()
+        return weight.detach().requires_grad_()
 
 
 # Note [Anchored outputs]
@@ -132,7 +132,8 @@ class Tape:
         for use, g in zip(self.uses, grads):
             if g is not None:
                 # See Note [clipped_grad under autocast] in transform.py.
-                use.set_grad(g.to(next(iter(use.roles())).value.dtype))
+                dtype = next(iter(use.roles())).value.dtype
+                use.set_grad(g if g.dtype == dtype else g.to(dtype))
                 reached.add(use)
         for p in self.params:
             p.uses = [u for u in p.uses if u in reached]

@@ -151,7 +151,10 @@ class DPOptimizer(Optimizer):
             denominator = float(self.expected_batch_size * max(backwards, 1))
         for p, s in zip(params, sums):  # the sums are this step's own: scaled in place
             s = s.div_(denominator) if denominator != 1.0 else s
-            p.grad = s if sharded else s.to(p.dtype).view_as(p)
+            if not sharded:  # a sum in the parameter's dtype and shape already, as a rule
+                s = s if s.dtype == p.dtype else s.to(p.dtype)
+                s = s if s.shape == p.shape else s.view_as(p)
+            p.grad = s
 
 
 def _zeros(p: Tensor, sharded: bool) -> Tensor:

@@ -61,7 +61,8 @@ class LinearUse(Use):
 
     def set_grad(self, grad: Tensor) -> None:
         self.grad = grad.view(self.rows.shape[0], self.rows.shape[1], grad.shape[-1])
-        self.rows = self.rows.to(grad.dtype)  # Note [clipped_grad under autocast]
+        if self.rows.dtype != grad.dtype:  # Note [clipped_grad under autocast]
+            self.rows = self.rows.to(grad.dtype)
 
     def per_sample_grad(self, role: str) -> Tensor:
         if role == "bias":
@@ -97,10 +98,12 @@ class LinearUse(Use):
         if bound is None:
             return NOT_HANDLED
         x, w, b = bound
-        a = sample_rows(tape, x)
-        if a is None or not ghostable(tape, a, w, b):
+        if not splits_into_rows(tape, x) or not ghostable(tape, x, w, b):
             return NOT_HANDLED
-        return batch_linear(tape, a, w, b).view(*x.shape[:-1], w.shape[0])
+        if x.dim() == 2:  # x holds the rows, the op's output is the call's
+            return recorded_linear(tape, x, tape.batch_size, w, b)
+        rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+        return recorded_linear(tape, rows, tape.batch_size, w, b).view(*x.shape[:-1], w.shape[0])
 
 
 @register_clipping(LinearUse.kind)
@@ -142,7 +145,7 @@ class LinearClipping(Clipping[LinearUse]):
         narrower of a and g, into g in place when ``writable``) and the bias'
         ``sum_i c_i sum_t g_i,t``, one GEMV."""
         a, g = all_rows(uses)
-        c = coef.to(g.dtype)
+        c = coef if coef.dtype == g.dtype else coef.to(g.dtype)
         grad_b = torch.mv(bias_grads(uses, g).t(), c) if bias is not None else None
         in_place = len(uses) > 1 or writable(g, owned)  # several uses: g is a concatenated copy
         return self.weight_sum(a, g, c, in_place), grad_b
@@ -199,14 +202,21 @@ def ghostable(tape: Tape, a: Tensor, w: Any, b: Any) -> bool:
     return shared_bias(tape, b)
 
 
-def sample_rows(tape: Tape, x: Any) -> Optional[Tensor]:
-    """The engine's plain ``x: [k*B, ..., I]`` (k >= 0) as each sample's rows
-    ``[B, k*..., I]``, as the per-call vmap splits it (Note [A batched
-    forward, one vmap per call]); None for anything else."""
+def splits_into_rows(tape: Tape, x: Any) -> bool:
+    """Whether ``x`` is the engine's plain ``[k*B, ..., I]`` (k >= 0), whose
+    sample i's rows are where the per-call vmap would split them (Note [A
+    batched forward, one vmap per call])."""
     batch = tape.batch_size
-    if (not isinstance(x, Tensor) or x.dim() < 2 or batch == 0 or x.shape[0] % batch
-            or tape.param(x) is not None or batched_level(x) != -1):
+    return (isinstance(x, Tensor) and x.dim() >= 2 and batch != 0 and x.shape[0] % batch == 0
+            and tape.param(x) is None and batched_level(x) == -1)
+
+
+def sample_rows(tape: Tape, x: Any) -> Optional[Tensor]:
+    """``x`` of ``splits_into_rows`` as each sample's rows ``[B, k*..., I]``;
+    None for anything else."""
+    if not splits_into_rows(tape, x):
         return None
+    batch = tape.batch_size
     per_sample = x.shape[0] // batch * math.prod(x.shape[1:-1])
     return x.reshape(batch, per_sample, x.shape[-1])
 
@@ -232,7 +242,7 @@ def linear_use(tape: Tape, rows: Tensor, batch: int, w: Tensor, b: Optional[Tens
     assert weight is not None  # the callers' ghostable
     w_op = weight_for(tape, w, rows.requires_grad or (b is not None and bias is None and b.requires_grad))
     if b is not None and bias is not None:  # a parameter: detached, or added by the caller
-        b = b.detach() if add_bias else None
+        b = bias.value if add_bias else None
     out = F.linear(rows, w_op, b)
     per_sample = rows.shape[0] // batch if batch else 0
     use = LinearUse(weight, bias, rows.view(batch, per_sample, rows.shape[-1]), tap(out))
