@@ -1,6 +1,8 @@
 """The engine's leaves kept across forwards (Note [Leaves kept across forwards])
 and routing turned on only for its per-call vmaps (Note [Routing only for the
 per-call vmaps])."""
+import copy
+import io
 from typing import List
 
 import pytest
@@ -46,6 +48,21 @@ def test_a_leaf_is_kept_while_its_parameter_holds_the_same_data() -> None:
     model.float()
     assert_step_equals_loop(private, model.double(), x, y)
     assert seen[3] is not seen[2] and seen[3].dtype == torch.float64
+
+
+def test_a_copy_or_a_pickle_of_the_module_keeps_no_leaves() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    private = PrivateModule(model, loss_reduction="sum", validate=False)
+    assert_step_equals_loop(private, model, x, y)
+    buffer = io.BytesIO()
+    torch.save(private, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(private), torch.load(buffer, weights_only=False)):
+        module = copied._module
+        assert_step_equals_loop(copied, module, x, y)
+        assert all(p.grad is not None for p in module.parameters())
 
 
 class MaybeTransposed(nn.Linear):

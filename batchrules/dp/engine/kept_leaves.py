@@ -40,6 +40,10 @@ class KeptLeaves:
         self._kept: Dict[int, Tuple[nn.Parameter, Tensor, Tensor, str]] = {}
         self._check_queued = False
 
+    def __reduce__(self) -> Tuple[type, Tuple[()]]:
+        """A copy or a pickle of the module starts with none kept (they are a cache)."""
+        return KeptLeaves, ()
+
     def params(self, named: List[Tuple[str, nn.Parameter]]) -> List[Param]:
         """A forward's ``Param`` of each of ``named``, with its kept leaf."""
         kept: Dict[int, Tuple[nn.Parameter, Tensor, Tensor, str]] = {}
