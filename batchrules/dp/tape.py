@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 # tensor is not itself a view (an in-place op on a view replaces the view's
 # node by CopySlices on its base), so the rules run their op on 2-D/folded
 # physical operands, whose outputs are fresh tensors, and hand the caller
-# views of them. An output needs a node at all: when no operand requires grad
-# (a first layer, whose input is data), the rule passes a detached copy of the
-# weight that requires grad. Its node is never executed: its only edge leads
-# to that copy, which the backward does not ask for.
+# those or views of them. An output needs a node at all: when no operand
+# requires grad (a first layer, whose input is data), the rule passes a
+# detached copy of the weight that requires grad. Its node is never executed:
+# its only edge leads to that copy, which the backward does not ask for.
 def tap(out: Tensor) -> GradientEdge:
     """The edge a rule's physical output is read back through (an output
     computed without grad is anchored first: Note [Anchored outputs])."""

@@ -229,7 +229,7 @@ def batch_linear(tape: Tape, a: Tensor, w: Tensor, b: Optional[Tensor]) -> Tenso
 def recorded_linear(tape: Tape, rows: Tensor, batch: int, w: Tensor, b: Optional[Tensor]) -> Tensor:
     """``F.linear(rows, w, b)`` on physical rows ``[B*T, I]`` (``batch`` = B), recorded; returns
     the fresh ``[B*T, O]`` output (Note [Tapping an output that may later
-    change in place]: callers hand the loss views of it)."""
+    change in place]: callers hand the loss it or views of it)."""
     return linear_use(tape, rows, batch, w, b)[0]
 
 
