@@ -2,7 +2,9 @@
 and routing turned on only for its per-call vmaps (Note [Routing only for the
 per-call vmaps])."""
 import copy
+import gc
 import io
+import weakref
 from typing import List
 
 import pytest
@@ -48,6 +50,21 @@ def test_a_leaf_is_kept_while_its_parameter_holds_the_same_data() -> None:
     model.float()
     assert_step_equals_loop(private, model.double(), x, y)
     assert seen[3] is not seen[2] and seen[3].dtype == torch.float64
+
+
+def test_moving_the_module_lets_the_previous_leaves_go() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    private = PrivateModule(model, loss_reduction="sum", validate=False)
+    seen = weights_seen(model)
+    assert_step_equals_loop(private, model, x, y)
+    leaf = weakref.ref(seen.pop())
+    private.float()
+    gc.collect()
+    assert leaf() is None  # no view of the float64 data held
+    private.double()
+    assert_step_equals_loop(private, model, x, y)
 
 
 def test_a_copy_or_a_pickle_of_the_module_keeps_no_leaves() -> None:

@@ -108,6 +108,7 @@ class PrivateModule(nn.Module):
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         out = super()._apply(fn, *args, **kwargs)
         self._make_sinks()  # on the parameters' new device and dtype
+        self._leaves = KeptLeaves()  # no view of the parameters' previous data kept
         return out
 
     def trainable_parameters(self) -> List[Tuple[str, nn.Parameter]]:
