@@ -133,27 +133,28 @@ def routing_states(model: nn.Module) -> List[bool]:
 
 
 def test_routing_is_on_from_the_first_per_call_vmap_to_the_forwards_end() -> None:
-    torch.manual_seed(0)
-    assert not routing.is_enabled()
-    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
-    model = mlp()  # every call on the plain batch: no vmap, no routing
-    states = routing_states(model)
-    assert_step_equals_loop(PrivateModule(model, loss_reduction="sum", validate=False), model, x, y)
-    assert states == [False, False, False] and not routing.is_enabled()
+    with batchrules.enabled(False):  # whatever earlier tests in this process left
+        torch.manual_seed(0)
+        assert not routing.is_enabled()
+        x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+        model = mlp()  # every call on the plain batch: no vmap, no routing
+        states = routing_states(model)
+        assert_step_equals_loop(PrivateModule(model, loss_reduction="sum", validate=False), model, x, y)
+        assert states == [False, False, False] and not routing.is_enabled()
 
-    model = nn.Sequential(nn.Linear(4, 5), Scaled(), nn.Linear(5, 3)).double()
-    states = routing_states(model)
-    assert_step_equals_loop(PrivateModule(model, loss_reduction="sum", validate=False), model, x, y)
-    assert states == [False, True, True] and not routing.is_enabled()
+        model = nn.Sequential(nn.Linear(4, 5), Scaled(), nn.Linear(5, 3)).double()
+        states = routing_states(model)
+        assert_step_equals_loop(PrivateModule(model, loss_reduction="sum", validate=False), model, x, y)
+        assert states == [False, True, True] and not routing.is_enabled()
 
-    private = with_optimizer(model)
-    model[2].register_forward_hook(lambda *_: 1 / 0)
-    with pytest.raises(ZeroDivisionError):
-        private(x)
-    assert not routing.is_enabled()
-    with batchrules.enabled():  # the user's own setting is kept
-        with_optimizer(model[:2])(x)
-        assert routing.is_enabled()
+        private = with_optimizer(model)
+        model[2].register_forward_hook(lambda *_: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            private(x)
+        assert not routing.is_enabled()
+        with batchrules.enabled():  # the user's own setting is kept
+            with_optimizer(model[:2])(x)
+            assert routing.is_enabled()
 
 
 def with_optimizer(model: nn.Module) -> PrivateModule:
