@@ -5,7 +5,7 @@ import copy
 import gc
 import io
 import weakref
-from typing import List
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -35,13 +35,20 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
 
 
-def test_a_leaf_is_kept_while_its_parameter_holds_the_same_data() -> None:
+def watched_step() -> Tuple[nn.Module, Tensor, Tensor, PrivateModule, List[Tensor]]:
+    """An MLP, a batch, its PrivateModule and the weights it is seen to hold,
+    after one step checked against the per-sample loop."""
     torch.manual_seed(0)
     model = mlp()
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
     private = PrivateModule(model, loss_reduction="sum", validate=False)
     seen = weights_seen(model)
     assert_step_equals_loop(private, model, x, y)
+    return model, x, y, private, seen
+
+
+def test_a_leaf_is_kept_while_its_parameter_holds_the_same_data() -> None:
+    model, x, y, private, seen = watched_step()
     assert_step_equals_loop(private, model, x, y)  # reads the first step's in-place update
     assert len(seen) == 2 and seen[0] is seen[1]
     model[0].weight.data = model[0].weight.data.clone()
@@ -53,12 +60,7 @@ def test_a_leaf_is_kept_while_its_parameter_holds_the_same_data() -> None:
 
 
 def test_moving_the_module_lets_the_previous_leaves_go() -> None:
-    torch.manual_seed(0)
-    model = mlp()
-    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
-    private = PrivateModule(model, loss_reduction="sum", validate=False)
-    seen = weights_seen(model)
-    assert_step_equals_loop(private, model, x, y)
+    model, x, y, private, seen = watched_step()
     leaf = weakref.ref(seen.pop())
     private.float()
     gc.collect()

@@ -29,7 +29,7 @@ from torch.autograd import Variable
 
 from ..interceptor import intercepted_leaf
 from ..tape import Param
-from .recording import escaped_error
+from .recording import raise_escapes
 
 
 class KeptLeaves:
@@ -73,14 +73,7 @@ class KeptLeaves:
 
     def _report(self) -> None:
         self._check_queued = False
-        names = []
-        with torch._C.DisableTorchFunctionSubclass():
-            for _, _, leaf, name in self._kept.values():
-                if leaf.grad is not None:
-                    names.append(name)
-                    leaf.grad = None
-        if names:
-            raise escaped_error(names)
+        raise_escapes((functools.partial(str, name), leaf) for _, _, leaf, name in self._kept.values())
 
 
 def _same_data(p: nn.Parameter, value: Tensor) -> bool:

@@ -16,7 +16,7 @@ that receives a gradient was used by a call the batched forward could not
 split (Note [A batched forward, one vmap per call]): reported, here or by
 the leaf's own hook (Note [Leaves kept across forwards] in kept_leaves.py).
 """
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -35,6 +35,20 @@ def escaped_error(names: List[str]) -> RuntimeError:
         "2 outside a layer call, or inside a torch.func transform), so its per-sample gradient "
         "norm is unknown. Apply parameters through calls that take the batch (F.linear(x, w) "
         "rather than x @ w.t())")
+
+
+def raise_escapes(leaves: Iterable[Tuple[Callable[[], str], Tensor]]) -> None:
+    """Raises ``escaped_error`` naming each ``(namer, leaf)`` whose leaf received a
+    gradient, once those gradients are cleared (the engine keeps its leaves for
+    the next forward: Note [Leaves kept across forwards] in kept_leaves.py)."""
+    names = []
+    with torch._C.DisableTorchFunctionSubclass():  # the leaves' .grad, read directly
+        for namer, leaf in leaves:
+            if leaf.grad is not None:
+                names.append(namer())
+                leaf.grad = None
+    if names:
+        raise escaped_error(names)
 
 
 class Recording:
@@ -78,14 +92,7 @@ class Recording:
 
     def _finish(self) -> None:
         self.done = True
-        escaped = []
-        with torch._C.DisableTorchFunctionSubclass():  # the leaves' .grad, read directly
-            for p in self.params:
-                if p.leaf.grad is not None:
-                    escaped.append(p.name)
-                    p.leaf.grad = None  # the leaves are kept for the next forward
-        if escaped:
-            raise escaped_error(escaped)
+        raise_escapes((p.namer, p.leaf) for p in self.params)
         self.tape.check_inputs_unchanged()
         self.tape.take_grads([self.grads.pop(i, None) for i in range(len(self.tape.uses))])
         for p in self.params:
