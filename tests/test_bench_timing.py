@@ -186,6 +186,20 @@ def test_peak_memory_counts_live_result() -> None:
     assert peak_extra_bytes(Variant("alloc", lambda: torch.empty(1 << 18)), CPU) >= 4 << 18
 
 
+def test_peak_memory_leaves_out_frees_of_earlier_blocks() -> None:
+    """Note [How peak memory is measured]: a block allocated under an earlier
+    profile and freed by the step (a user's loop freeing the last step's
+    gradients) does not lower the step's peak."""
+    held: list = []
+    peak_extra_bytes(Variant("keep", lambda: held.append(torch.empty(1 << 20))), CPU)
+
+    def step() -> torch.Tensor:
+        held.clear()
+        return torch.empty(1 << 18)
+
+    assert peak_extra_bytes(Variant("swap", step), CPU) >= 4 << 18
+
+
 def test_steady_malloc_where_glibc() -> None:
     """Note [Steady malloc for timing]: mallopt succeeds wherever malloc is glibc's."""
     assert steady_malloc() is (platform.libc_ver()[0] == "glibc")
