@@ -29,12 +29,11 @@ from .kernels import quiet_stderr
 
 def peak_extra_bytes(variant: Variant, device: torch.device) -> Optional[int]:
     """Peak bytes the step allocated beyond what was live before it."""
-    if device.type == "cuda":
-        # an earlier step's reference cycle (torch.func leaves some), were it
-        # collected during this step, would lower this step's peak
-        gc.collect()
     with variant.context():
         if device.type == "cuda":
+            # an earlier step's reference cycle (torch.func leaves some), were it
+            # collected during this step, would lower this step's peak
+            gc.collect()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
