@@ -16,7 +16,11 @@ import contextlib
 import importlib
 import os
 import socket
+import sys
+import tempfile
 import time
+import traceback
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
@@ -102,16 +106,56 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                             f"pip install {marker.kwargs.get('pip', name)}")
 
 
-# The distributed tests: 2 gloo ranks, spawned, under a wall-clock deadline (a
+# The distributed tests: 2 gloo ranks, each its own process, under a wall-clock deadline (a
 # hung collective fails the test instead of hanging CI); one xdist worker runs
 # them (XDIST_GROUPS).
 WORLD = 2
 DEADLINE_S = 180.0
 DISTRIBUTED = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                   reason="torch.distributed with gloo is not available"),
-               # slow: each test spawns 2 processes that import torch; the only run of the
+               # slow: each test runs 2 ranks, each its own process; the only run of the
                # rules across real process groups (DDP all-reduce, DTensor sharding).
                pytest.mark.slow]
+
+
+# Note [Child processes from a preloaded fork server]
+# Some tests need processes of their own: distributed ranks, and cases that once
+# ended the process (a crash must fail one test, not the run). A fresh interpreter
+# spends seconds importing torch (more with a CUDA build); these children are
+# forked instead from multiprocessing's fork server, which imports torch,
+# batchrules and hypothesis once per pytest process and then only forks: it never
+# runs a kernel, so no thread (OpenMP's pool included) exists to be lost in the
+# fork. A child sees the environment and sys.path its server started with.
+# Where there is no fork server (Windows), children are spawned.
+if "forkserver" in mp.get_all_start_methods():
+    CHILDREN = mp.get_context("forkserver")
+    CHILDREN.set_forkserver_preload(["torch", "batchrules", "hypothesis"])
+else:
+    CHILDREN = mp.get_context("spawn")
+
+
+def _report_failure(report: str, target: Callable[..., None], args: Tuple[Any, ...]) -> None:
+    try:
+        target(*args)
+    except BaseException:
+        Path(report).write_text(traceback.format_exc())
+        sys.exit(1)
+
+
+def run_in_child(target: Callable[..., None], *args: Any, timeout: float) -> Tuple[int, str]:
+    """``target(*args)`` in a child process (Note [Child processes from a preloaded
+    fork server]): its exit code (negative: the signal that ended it) and, where it
+    raised, the traceback. ``target`` must be importable by name."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "failure.txt"
+        child = CHILDREN.Process(target=_report_failure, args=(str(report), target, args))
+        child.start()
+        child.join(timeout)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            pytest.fail(f"{target.__name__}{args} still running after {timeout} s")
+        return child.exitcode, report.read_text() if report.exists() else ""
 
 
 def free_port() -> int:
@@ -121,9 +165,10 @@ def free_port() -> int:
 
 
 def spawn(worker: Callable[..., None], *args: object) -> None:
-    """Run ``worker(rank, port, *args)`` on WORLD processes; fail on error or deadline."""
+    """Run ``worker(rank, port, *args)`` on WORLD processes; fail on error or deadline.
+    See Note [Child processes from a preloaded fork server]."""
     context = mp.start_processes(worker, args=(free_port(), *args), nprocs=WORLD, join=False,
-                                 start_method="spawn")
+                                 start_method=CHILDREN.get_start_method())
     deadline = time.monotonic() + DEADLINE_S
     while not context.join(timeout=1.0):  # raises if a rank failed (and stops the others)
         if time.monotonic() > deadline:

@@ -5,32 +5,32 @@ routing_edges_cases.py), plus the cases that once ended the process.
 
 Each family's property test runs in a child process, so that a crash (a
 signal) fails that family's test, naming the example it crashed on, instead of
-ending the run. CI runs EXAMPLES examples a family; ``--thorough`` runs ten
+ending the run (Note [Child processes from a preloaded fork server] in
+conftest.py). CI runs EXAMPLES examples a family; ``--thorough`` runs ten
 times as many."""
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import routing_edges_cases
 import torch
+from conftest import run_in_child
 from routing_edges_families import FAMILIES
 from torch import nn
 from torch.func import grad, jacrev, vmap
 
+import batchrules
+
 EXAMPLES = 30
-HERE = Path(__file__).parent
 
 
 def run_family(family: str, examples: int, tmp_path: Path) -> None:
     progress = tmp_path / "example.txt"
-    child = subprocess.run(
-        [sys.executable, str(HERE / "routing_edges_cases.py"), family, str(examples),
-         str(progress)],
-        cwd=HERE, capture_output=True, text=True, timeout=60 + 2 * examples)
+    code, failure = run_in_child(routing_edges_cases.run, family, examples, str(progress),
+                                 timeout=60 + 2 * examples)
     last = progress.read_text() if progress.exists() else "(none drawn)"
-    if child.returncode < 0:
-        pytest.fail(f"{family}: the process died with signal {-child.returncode} on {last}")
-    assert child.returncode == 0, f"{family}:\n{child.stdout[-6000:]}\n{child.stderr[-3000:]}"
+    if code < 0:
+        pytest.fail(f"{family}: the process died with signal {-code} on {last}")
+    assert code == 0, f"{family}:\n{failure[-6000:]}"
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -58,19 +58,22 @@ CRASHES = {
 }
 
 
+def empty_batch_shape(name: str, out: str) -> None:
+    """CRASHES[name] with routing on, in a child process: its result's shape into ``out``."""
+    batchrules.enable()
+    scope = {"torch": torch, "nn": nn, "vmap": vmap, "grad": grad,
+             "m": nn.MultiheadAttention(8, 2, batch_first=True), "lstm": nn.LSTM(3, 5)}
+    result = eval(CRASHES[name], scope)
+    result = result[0] if isinstance(result, tuple) else result
+    Path(out).write_text(str(tuple(result.shape)))
+
+
 @pytest.mark.parametrize("name", sorted(CRASHES))
-def test_empty_batch_gives_an_empty_result(name) -> None:
-    code = ("import torch, torch.nn as nn, batchrules\n"
-            "from torch.func import grad, vmap\n"
-            "batchrules.enable()\n"
-            "m, lstm = nn.MultiheadAttention(8, 2, batch_first=True), nn.LSTM(3, 5)\n"
-            f"out = {CRASHES[name]}\n"
-            "out = out[0] if isinstance(out, tuple) else out\n"
-            "print(tuple(out.shape))\n")
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=120)
-    assert child.returncode == 0, (child.returncode, child.stderr[-3000:])
-    assert child.stdout.strip().startswith("(0,"), child.stdout
+def test_empty_batch_gives_an_empty_result(name, tmp_path) -> None:
+    out = tmp_path / "shape.txt"
+    code, failure = run_in_child(empty_batch_shape, name, str(out), timeout=120)
+    assert code == 0, (code, failure[-3000:])
+    assert out.read_text().startswith("(0,"), out.read_text()
 
 
 @pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
