@@ -10,11 +10,17 @@ between the GEMMs (bias, activations and their backward, copies) run several
 times slower per element than one member's, which stay in cache. Which side
 of that line a call falls on depends on the machine's caches and allocator as
 much as on the shapes, so ``ensemble_vmap`` measures instead of guessing: the
-first calls with a given input signature alternate the two and time them, and
-the one of the lower median time serves every later call with that signature
-(not the lower minimum: the batched call's page faults vary from call to call,
-and its fastest call flatters it). Every call, trials included, returns what
-``vmap`` returns.
+first calls with a given input signature time the two in blocks of consecutive
+calls, batched, members, members, batched (drift between blocks cancels), and
+the one of the lower median time serves every later call with that signature.
+Blocks, because a training loop runs each step after its own previous one: a
+call right after the other strategy's finds that one's leftovers in the heap
+(the batched call reuses the large blocks the loop left, the loop refaults the
+pages glibc trimmed after the batched call), which favoured the batched call
+when calls alternated; each block's first call, untimed, absorbs the switch.
+The median, not the minimum: the batched call's page faults vary from call to
+call, and its fastest call flatters it. Every call, trials included, returns
+what ``vmap`` returns.
 
 The loop calls ``func`` on each member's slice of the inputs and stacks the
 outputs along ``out_dims``, so it is vmap's semantics without vmap's
@@ -41,10 +47,12 @@ from . import _C
 from .member_grad import MemberGrad
 
 STRATEGIES = ("auto", "batched", "members")
-# Timed calls per strategy after one untimed warm-up call of each.
-TRIAL_ROUNDS = 4
+# The trial's blocks (the first call is batched), each an untimed call and
+# TIMED_PER_BLOCK timed ones (Note [Batched members or a member loop]).
+TRIAL_BLOCKS = ("batched", "members", "members", "batched")
+TIMED_PER_BLOCK = 2
 # Calls with one input signature until its strategy is chosen.
-TRIAL_CALLS = 2 + 2 * TRIAL_ROUNDS
+TRIAL_CALLS = len(TRIAL_BLOCKS) * (1 + TIMED_PER_BLOCK)
 # Input signatures remembered per function (the oldest dropped).
 MAX_SIGNATURES = 64
 
@@ -58,10 +66,9 @@ class _Trial:
     def __init__(self, dims: Optional[List[Optional[int]]], members: Optional[int],
                  forced: Optional[str]) -> None:
         self.dims, self.members, self.forced = dims, members, forced
-        # untimed warm-ups first, then alternating timed calls
-        timed = [("batched", True), ("members", True)] * TRIAL_ROUNDS
-        measured = [] if forced else [("members", False), *timed]
-        self.plan: Deque[Tuple[str, bool]] = collections.deque([("batched", False), *measured])
+        blocks = [[(s, False)] + [(s, True)] * TIMED_PER_BLOCK for s in TRIAL_BLOCKS]
+        plan = [("batched", False)] if forced else [call for block in blocks for call in block]
+        self.plan: Deque[Tuple[str, bool]] = collections.deque(plan)
         self.times: Dict[str, List[float]] = {}
         self.choice: Optional[str] = "batched" if members is None else None
 

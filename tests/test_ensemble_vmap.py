@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.func import grad, vmap
 
 import batchrules
-from batchrules.ensemble import TRIAL_CALLS, ensemble_vmap
+from batchrules.ensemble import TIMED_PER_BLOCK, TRIAL_BLOCKS, TRIAL_CALLS, ensemble_vmap
 
 pytestmark = pytest.mark.usefixtures("no_vmap_fallback")
 STRATEGIES = ["batched", "members", "auto"]
@@ -115,6 +115,25 @@ def test_auto_keeps_the_faster_strategy() -> None:
             torch.testing.assert_close(step(x), x * 2)
         assert step.strategy(x) == want
         assert step.strategy(torch.randn(5, 3)) is None  # another signature: measured on its own
+
+
+def test_trial_times_blocks_of_consecutive_calls() -> None:
+    """Each strategy's trial calls come in blocks of consecutive calls, the
+    batched call first (Note [Batched members or a member loop])."""
+    seen: List[bool] = []
+
+    def fn(x: Tensor) -> Tensor:
+        seen.append(torch._C._functorch.is_batchedtensor(x))
+        return x * 2
+    step, x = ensemble_vmap(fn), torch.randn(3, 2)
+    strategies = []
+    for _ in range(TRIAL_CALLS):
+        before = len(seen)
+        torch.testing.assert_close(step(x), x * 2)
+        calls = seen[before:]
+        strategies.append("batched" if calls == [True] else "members" if calls == [False] * 3 else calls)
+    assert strategies == [s for s in TRIAL_BLOCKS for _ in range(1 + TIMED_PER_BLOCK)]
+    assert step.strategy(x) in ("batched", "members")
 
 
 def test_batched_inside_transforms_and_equal() -> None:
