@@ -31,15 +31,35 @@ std::vector<Tensor> cast_all(const LowerPrecisionCast& cast, TensorList ts) {
   return out;
 }
 
+// aten::lstm has no autocast kernel. On the CPU, autocast casts the fused
+// oneDNN layer it calls (aten::mkldnn_rnn_layer) with oneDNN enabled and a
+// non-empty input; otherwise eager runs its composite, whose linears
+// autocast casts while the states stay in their dtype (layers.cpp): an empty
+// batch comes out in float32. A projected LSTM always runs the composite,
+// whose h is its projection's, in lower precision, and c its state's dtype:
+// the route casts the layer and gives c_n that dtype.
+bool onednn_layer_casts(const Tensor& input) {
+  return at::globalContext().userEnabledMkldnn() && input.sym_numel() != 0;
+}
+
 std::tuple<Tensor, Tensor, Tensor> routed_lstm(const Tensor& input, TensorList hx,
                                                TensorList params, bool has_biases,
                                                int64_t num_layers, double dropout, bool train,
                                                bool bidirectional, bool batch_first) {
   TORCH_CHECK(hx.size() == 2, "lstm: expected two hidden states (h0, c0), but got ", hx.size());
-  if (autocast_enabled_for(input)) {
+  const int64_t per_direction = has_biases ? 4 : 2;  // w_ih, w_hh (, b_ih, b_hh) (, w_hr)
+  const bool projected = static_cast<int64_t>(params.size()) !=
+                         num_layers * (bidirectional ? 2 : 1) * per_direction;
+  if (autocast_enabled_for(input) &&
+      (!input.is_cpu() || projected || onednn_layer_casts(input))) {
     const LowerPrecisionCast cast(input.device().type());
-    return routed_lstm(cast(input), cast_all(cast, hx), cast_all(cast, params), has_biases,
-                       num_layers, dropout, train, bidirectional, batch_first);
+    auto [out, h_n, c_n] =
+        routed_lstm(cast(input), cast_all(cast, hx), cast_all(cast, params), has_biases,
+                    num_layers, dropout, train, bidirectional, batch_first);
+    if (projected && input.is_cpu()) {
+      c_n = c_n.to(hx[1].scalar_type());
+    }
+    return {out, h_n, c_n};
   }
   RnnOptions options{RnnMode::Lstm, has_biases,    num_layers, dropout,
                      train,         bidirectional, batch_first};
