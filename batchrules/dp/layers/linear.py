@@ -169,11 +169,13 @@ def all_rows(uses: List[LinearUse]) -> Tuple[Tensor, Tensor]:
 
 def bias_grads(uses: List[LinearUse], g: Tensor) -> Tensor:
     """``sum_t g_i,t``: ``[B, O]``, the fused bias' per-sample gradients, formed
-    once for its norm and its clipped sum (kept on the first use)."""
+    once for its norm and its clipped sum (kept on the first use). With one
+    row a sample (an MLP) it is a view of g: its readers run before g may be
+    scaled in place (``clipped_sum`` forms the bias' sum first; partners share
+    g, which is then not scaled in place)."""
     first = uses[0]
     if first.grad_row_sum is None:
-        # one row a sample (an MLP): a copy, not a reduction (zero-filled, then added to)
-        first.grad_row_sum = g[:, 0].clone() if g.shape[1] == 1 else g.sum(1)
+        first.grad_row_sum = g[:, 0] if g.shape[1] == 1 else g.sum(1)
     return first.grad_row_sum
 
 
