@@ -436,3 +436,39 @@ def test_clipped_grad_recurrent_under_autocast(amp: Any, layer: str, monkeypatch
     with batchrules.enabled():
         exact = materialized_reference(loss, 1.0, device, p, x, y)
     assert_as_accurate_as_stock(got, stock, exact)
+
+
+
+class LstmHead(nn.Module):
+    """Logits of the last step, and the LSTM's outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(6, 8, batch_first=True), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Any:
+        out = self.rnn(x)[0]
+        return self.head(out[:, -1]), out
+
+
+def test_clipped_grad_lstm_keeps_float32_states_where_eager_does() -> None:
+    """Note [Recurrent layers under autocast]: with oneDNN off eager's LSTM keeps
+    its float32 states under CPU autocast (only its linears are cast), and so does
+    the rule; the sums and norms stay those of the routed vmap(grad) + clip + sum."""
+    torch.manual_seed(5)
+    model = LstmHead()
+    p, x = params_of(model), data("cpu", 5, 4, 6)
+    y = torch.randint(0, 3, (5,), generator=torch.Generator().manual_seed(6))
+
+    def loss(p: Dict[str, Tensor], xi: Tensor, yi: Tensor) -> Any:
+        logits, states = functional_call(model, p, (xi[None],))
+        return F.cross_entropy(logits.float(), yi[None]), states
+
+    amp = ("cpu", torch.bfloat16)
+    with torch.backends.mkldnn.flags(enabled=False):
+        got, states = run(amp, True, lambda: batchrules.clipped_grad(loss, 1.0, has_aux=True)(p, x, y))
+        eager_states = run(amp, False, lambda: model(x[:1])[1])
+        reference = run(amp, True, lambda: materialized_reference(
+            lambda *a: loss(*a)[0], 1.0, "cpu", p, x, y))
+    assert states.dtype == eager_states.dtype == torch.float32
+    assert_matches(got, reference, torch.bfloat16)

@@ -17,6 +17,7 @@ time is ``batchrules.rnn_recurrence`` on all samples' rows at once, with
 projection (``proj_size``), or only some of its parameters differentiated,
 takes the generic path (per-sample copies of its parameters).
 """
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
@@ -120,10 +121,21 @@ def _layer(tape: Tape, a: Tensor, h0: Tensor, c0: Optional[Tensor], w: Sequence[
 # routes do (csrc/recurrent/routes.cpp): an LSTM or RNN layer runs in the
 # lower precision (input, states and weights cast; the output in that dtype),
 # a GRU layer and the cells keep their state's dtype, with only their linears
-# cast. So the input projection (a linear, cast by autocast itself) hands the
-# recurrence gates of the state's dtype, or is brought to it. The recorded
-# rows and gate gradients are brought to the weights' dtype before the norms
-# (Note [clipped_grad under autocast] in transform.py).
+# cast. On the CPU an LSTM layer is cast only where eager runs oneDNN's layer
+# (oneDNN enabled, a non-empty input); elsewhere it keeps its state's dtype
+# as GRU does. So the input projection (a linear, cast by autocast itself)
+# hands the recurrence gates of the state's dtype, or is brought to it. The
+# recorded rows and gate gradients are brought to the weights' dtype before
+# the norms (Note [clipped_grad under autocast] in transform.py).
+def _layer_cast(mode: int, a: Tensor) -> bool:
+    """Whether eager casts the whole layer under autocast (see the Note); ``a``:
+    the physical input, ``[B, T, N, I]``."""
+    if mode == 1:  # GRU
+        return False
+    if mode == 0 and a.device.type == "cpu":
+        return torch._C._get_mkldnn_enabled() and math.prod(a.shape[1:]) != 0
+    return True
+
 
 class RecurrentLayerRule(Rule):
     """``torch.lstm/gru/rnn_tanh/rnn_relu`` (what nn.LSTM, nn.GRU, nn.RNN call)."""
@@ -163,7 +175,8 @@ class RecurrentLayerRule(Rule):
             a = a.transpose(1, 2)  # B,N,T,I -> B,T,N,I
         if a.shape[1] == 0:  # eager's check, which the recurrence's reshapes would not give
             raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
-        low = autocast_dtype(a) if cls.mode != 1 else None  # Note [Recurrent layers under autocast]
+        # See Note [Recurrent layers under autocast].
+        low = autocast_dtype(a) if _layer_cast(cls.mode, a) else None
         if low is not None:
             a, hp = a.to(low), hp.to(low)
             cp = None if cp is None else cp.to(low)
