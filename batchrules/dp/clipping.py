@@ -100,6 +100,14 @@ def kind(param: Param) -> str:
     return "materialized"
 
 
+def factored_norms_sq(param: Param) -> Optional[Tensor]:
+    """``[B]``: the squared per-sample gradient norms of a weight of a
+    Clipping's kind (its bias left out), from its uses; None for any other
+    kind (the first-step validation's engine norms)."""
+    k = kind(param)
+    return None if k in _NOT_CLIPPING_KINDS else CLIPPINGS[k].norms_sq(param.uses, None)
+
+
 def per_sample_grad(param: Param, batch: int) -> Tensor:
     """``[B, *shape]``: the sum over its uses (and its per-sample copy)."""
     grads = [u.per_sample_grad(u.roles()[param]) for u in param.uses]

@@ -7,16 +7,18 @@ for this model; vmap could. So the first step, before any update, checks it
 on two samples of the first batch (the first and the last): the gradient
 that reached the model's batched outputs in the user's backward is a fixed
 cotangent per sample; the two samples are run as a batch of two through the
-engine (per-sample gradients of each parameter, materialized) and each alone
-through the plain model, and each parameter's per-sample gradient norm must
-agree. Both runs are in eval mode (dropout off: the masks of a batch and of a
-single sample differ) with the random state restored after, so that the
-check changes neither the training nor its random stream. A model whose
-outputs hold no batched tensor that requires grad cannot be checked: a
-warning says so. A compiled forward (Note [The engine under torch.compile] in
-compiled_forward.py) keeps its inputs but cannot hook its outputs: the
-cotangents are then drawn at random, which checks the same. ``validate=False``
-skips the check.
+engine and each alone through the plain model, and each parameter's per-sample
+gradient norm must agree. The engine's norms are those the clipping forms: a
+parameter whose uses are one rule's weight uses takes its rule's norm (from
+the recorded inputs and output gradients, no per-sample gradient formed),
+any other its materialized per-sample gradient's. Both runs are in eval mode
+(dropout off: the masks of a batch and of a single sample differ) with the
+random state restored after, so that the check changes neither the training
+nor its random stream. A model whose outputs hold no batched tensor that
+requires grad cannot be checked: a warning says so. A compiled forward (Note
+[The engine under torch.compile] in compiled_forward.py) keeps its inputs but
+cannot hook its outputs: the cotangents are then drawn at random, which
+checks the same. ``validate=False`` skips the check.
 """
 import contextlib
 import warnings
@@ -27,7 +29,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..clipping import per_sample_grad
+from ..clipping import factored_norms_sq, per_sample_grad
+from ..tape import Param
 from .parameter_slots import parameter_slots
 from .recording import Recording
 
@@ -89,13 +92,14 @@ class FirstStep:
             alone = [_plain_norms(model, named, _rows(inputs, picked[j:j + 1], batch),
                                   cotangents, j) for j in range(2)]
         named = module.trainable_parameters()
+        engine = [n.tolist() for n in both]  # [parameter][sample]
+        totals = [sum(n[j] ** 2 for n in engine) ** 0.5 for j in range(2)]
         differ = []
         for k, (name, p) in enumerate(named):
             rtol = _RTOL.get(p.dtype, 2e-2)
             for j in range(2):
-                total = float(sum(n[j] ** 2 for n in both) ** 0.5)
-                e, s = float(both[k][j]), float(alone[j][k])
-                if abs(e - s) > rtol * max(e, s) + rtol * 1e-2 * total:
+                e, s = engine[k][j], alone[j][k]
+                if abs(e - s) > rtol * max(e, s) + rtol * 1e-2 * totals[j]:
                     differ.append(f"{name} (sample {int(picked[j])}: {e:.6g} batched, "
                                   f"{s:.6g} alone)")
                     break
@@ -155,8 +159,7 @@ def _engine_norms(model: nn.Module, named: List[Tuple[str, nn.Parameter]], input
     norms: List[Tensor] = []
 
     def done(recording: Recording) -> None:
-        for p in recording.params:
-            norms.append(per_sample_grad(p, 2).flatten(1).norm(dim=1))
+        norms.extend(_sample_norms(p) for p in recording.params)
 
     out = recorded_forward(model, parameter_slots(model), named, KeptLeaves(), inputs[0], inputs[1],
                            2, done)
@@ -170,6 +173,14 @@ def _engine_norms(model: nn.Module, named: List[Tuple[str, nn.Parameter]], input
     if not norms:  # no use reached the outputs
         return [torch.zeros(2) for _ in named]
     return norms
+
+
+def _sample_norms(p: Param) -> Tensor:
+    """``[2]``: ``p``'s per-sample gradient norms as the clipping forms them (see the Note)."""
+    squares = factored_norms_sq(p)
+    if squares is not None:
+        return squares.clamp(min=0).sqrt()
+    return per_sample_grad(p, 2).flatten(1).norm(dim=1)
 
 
 def _plain_norms(model: nn.Module, named: List[Tuple[str, nn.Parameter]], inputs: Any,
