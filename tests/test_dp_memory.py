@@ -5,6 +5,7 @@ from typing import List
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_in_child
 from dp_reference import assert_close_rel, loop_clipped_grad
 from torch import nn
 from torch.func import functional_call
@@ -149,10 +150,9 @@ def test_norm_scales_are_exact(norm: str) -> None:
                      loop_clipped_grad(loss, 0.5, (params, x, y)))
 
 
-def test_no_tensor_outlives_the_call_in_a_reference_cycle() -> None:
-    """What clipped_grad held (its leaves are views of the caller's tensors,
-    e.g. FSDP's unsharded parameters) is freed when it returns, not at the
-    next garbage collection: nothing it leaves in a cycle holds a tensor."""
+def tensors_left_in_cycles() -> None:
+    """Raises if a clipped_grad call leaves a tensor in a reference cycle (run in a
+    fresh child: earlier tests' caches drop cycles of their own at any time)."""
     import gc
 
     model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2))
@@ -165,16 +165,17 @@ def test_no_tensor_outlives_the_call_in_a_reference_cycle() -> None:
     clipped = batchrules.clipped_grad(loss, 1.0)
     clipped(params, x, y)
     gc.collect()
-    was_enabled = gc.isenabled()
     gc.disable()
-    try:
-        clipped(params, x, y)
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        gc.collect()
-        cyclic = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        if was_enabled:
-            gc.enable()
-    assert cyclic == []
+    clipped(params, x, y)
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    gc.collect()
+    cyclic = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+    assert cyclic == [], cyclic
+
+
+def test_no_tensor_outlives_the_call_in_a_reference_cycle() -> None:
+    """What clipped_grad held (its leaves are views of the caller's tensors,
+    e.g. FSDP's unsharded parameters) is freed when it returns, not at the
+    next garbage collection: nothing it leaves in a cycle holds a tensor."""
+    code, failure = run_in_child(tensors_left_in_cycles, timeout=120)
+    assert code == 0, failure[-3000:]
