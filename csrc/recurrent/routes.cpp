@@ -47,9 +47,7 @@ std::tuple<Tensor, Tensor, Tensor> routed_lstm(const Tensor& input, TensorList h
                                                int64_t num_layers, double dropout, bool train,
                                                bool bidirectional, bool batch_first) {
   TORCH_CHECK(hx.size() == 2, "lstm: expected two hidden states (h0, c0), but got ", hx.size());
-  const int64_t per_direction = has_biases ? 4 : 2;  // w_ih, w_hh (, b_ih, b_hh) (, w_hr)
-  const bool projected = static_cast<int64_t>(params.size()) !=
-                         num_layers * (bidirectional ? 2 : 1) * per_direction;
+  const bool projected = hx[0].sym_size(-1) != hx[1].sym_size(-1);  // as run_rnn reads it
   if (autocast_enabled_for(input) &&
       (!input.is_cpu() || projected || onednn_layer_casts(input))) {
     const LowerPrecisionCast cast(input.device().type());
